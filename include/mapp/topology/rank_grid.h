@@ -1,0 +1,81 @@
+// RankGrid: the pure math of the hybrid-parallel rank grid.
+//
+// A world of N ranks is viewed as a 4-D array with axes, from fastest to
+// slowest varying (Megatron-LM's default order "tp-cp-dp-pp"):
+//
+//     rank = ((pp * DP + dp) * CP + cp) * TP + tp
+//
+// so with CP = 1 this is Megatron's  rank = pp_rank*dp*tp + dp_rank*tp + tp_rank.
+// Tensor-parallel peers are adjacent ranks (same node, fastest links), pipeline
+// stages are the furthest apart. A *group along a set of axes* is the set of
+// ranks that share every coordinate except those axes: the tensor group of a
+// rank varies only tp, the model-parallel group varies tp and pp, and so on.
+// Every group along the same axes partitions the world.
+//
+// Invariants: tp, cp, pp, dp >= 1 and tp*cp*pp*dp == world_size.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mapp {
+
+enum class Axis : std::uint8_t { kTensor = 0, kContext = 1, kData = 2, kPipeline = 3 };
+inline constexpr int kNumAxes = 4;
+
+// Short names used in messages and Python: "tp", "cp", "dp", "pp".
+const char* axis_name(Axis axis);
+// Parses "tp"/"cp"/"dp"/"pp"; throws ValueError.
+Axis parse_axis(const std::string& name);
+
+struct Coord {
+  int tp = 0;
+  int cp = 0;
+  int dp = 0;
+  int pp = 0;
+  int get(Axis axis) const;
+  bool operator==(const Coord& o) const {
+    return tp == o.tp && cp == o.cp && dp == o.dp && pp == o.pp;
+  }
+};
+
+class RankGrid {
+ public:
+  // dp = 0 infers the data-parallel size as world / (tp*cp*pp). Throws
+  // ValueError naming every factor when the sizes do not multiply to the world.
+  RankGrid(int world_size, int tp, int pp, int dp = 0, int cp = 1);
+
+  int world_size() const { return world_size_; }
+  int size(Axis axis) const { return sizes_[static_cast<int>(axis)]; }
+  int tp() const { return size(Axis::kTensor); }
+  int cp() const { return size(Axis::kContext); }
+  int dp() const { return size(Axis::kData); }
+  int pp() const { return size(Axis::kPipeline); }
+
+  // Coordinates of a global rank, and back. Throw ValueError when out of range.
+  Coord coord(int rank) const;
+  int rank(const Coord& c) const;
+
+  // Ranks sharing every coordinate of `rank` except those along `axes`,
+  // ascending. group(r, {kTensor}) is r's tensor-parallel group.
+  std::vector<int> group(int rank, const std::vector<Axis>& axes) const;
+  // Every group along `axes`, ordered by their smallest rank; they partition
+  // [0, world_size).
+  std::vector<std::vector<int>> groups(const std::vector<Axis>& axes) const;
+
+  // Ranks holding the first and the last pipeline stage for `rank`'s (tp, cp,
+  // dp) position (the embedding group when input and output embeddings are
+  // tied); a single rank when pp == 1.
+  std::vector<int> embedding_group(int rank) const;
+
+  // "world 8 = tp 2 x cp 1 x dp 2 x pp 2".
+  std::string describe() const;
+
+ private:
+  int world_size_;
+  std::array<int, kNumAxes> sizes_;  // indexed by Axis
+};
+
+}  // namespace mapp

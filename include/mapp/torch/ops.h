@@ -1,0 +1,47 @@
+// megatronapp::torch — the only C++ that includes torch. Collectives run on a
+// c10d process group looked up by name (Python passes `group.group_name`), so
+// a C++ trainer and a Python script reach the same groups and the same code.
+// Each function is also registered as a torch operator in the `mapp`
+// namespace (torch.ops.mapp.<name>); see src/torch/ops.cc for the schemas.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mapp::torch_ext {
+
+// Sums `tensor` over the group in place and returns it. CPU bfloat16 travels
+// as float32 (Gloo has no bfloat16) and is cast back.
+at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name);
+
+// Concatenation along `dim` of every group member's `tensor`, in group-rank
+// order. All members must pass the same shape.
+at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
+                      const std::string& group_name);
+
+// Sum over the group, then this member's slice of `dim` (size / group size).
+// Throws ValueError if the size of `dim` is not divisible by the group size.
+at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
+                              const std::string& group_name);
+
+// Size of and this process's rank in the named group.
+std::int64_t group_size(const std::string& group_name);
+std::int64_t group_rank(const std::string& group_name);
+
+// Per-row (max, sum exp(x - max), target logit or 0) of a vocabulary shard
+// starting at global id `vocab_start`: logits [..., V_local] -> float32 [..., 3].
+// CPU: mapp::vocab_ce_local_stats; CUDA: kernels/cross_entropy.cu.
+at::Tensor vocab_ce_local_stats(const at::Tensor& logits, const at::Tensor& target,
+                                std::int64_t vocab_start);
+
+// Names of the torch operators this library registered (for diagnostics;
+// calling it also guarantees the library is linked and its ops registered).
+std::vector<std::string> registered_ops();
+
+// Whether this build compiled the CUDA kernels in.
+bool built_with_cuda();
+
+}  // namespace mapp::torch_ext

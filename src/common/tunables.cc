@@ -1,0 +1,58 @@
+#include "mapp/common/tunables.h"
+
+#include <cstdlib>
+#include <sstream>
+
+#include "mapp/common/check.h"
+
+namespace mapp {
+
+// The table. Add a row here (and nowhere else) to introduce a variable.
+const std::vector<Tunable>& tunables() {
+  static const std::vector<Tunable> table = {
+      {"MAPP_LOG_LEVEL", "info",
+       "threshold of library log lines: debug, info, warn, error, off"},
+      {"MAPP_COLLECTIVE_TIMEOUT_S", "300",
+       "seconds a blocking collective of ours may wait before it fails with an "
+       "error naming the operation and group"},
+  };
+  return table;
+}
+
+namespace {
+
+const Tunable& find(const std::string& name) {
+  for (const auto& t : tunables()) {
+    if (name == t.name) return t;
+  }
+  MAPP_CHECK(false, "unknown tunable '", name,
+             "'; every MAPP_* variable must be declared in src/common/tunables.cc");
+}
+
+}  // namespace
+
+std::string tunable_string(const std::string& name) {
+  const Tunable& t = find(name);
+  const char* env = std::getenv(t.name);
+  return (env != nullptr && *env != '\0') ? std::string(env) : std::string(t.default_value);
+}
+
+std::int64_t tunable_int(const std::string& name) {
+  const std::string value = tunable_string(name);
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value.c_str(), &end, 10);
+  MAPP_CHECK(end != value.c_str() && *end == '\0', name, "='", value,
+             "' is not an integer; unset it or give a whole number");
+  return parsed;
+}
+
+std::string describe_tunables() {
+  std::ostringstream os;
+  for (const auto& t : tunables()) {
+    os << t.name << "=" << tunable_string(t.name) << " (default " << t.default_value
+       << "): " << t.meaning << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace mapp

@@ -1,0 +1,115 @@
+#include "mapp/topology/rank_grid.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "mapp/common/check.h"
+
+namespace mapp {
+namespace {
+
+struct Config {
+  int world, tp, pp, dp;
+};
+
+// Every (tp, pp, dp) whose product is a world size up to 16.
+std::vector<Config> all_configs() {
+  std::vector<Config> out;
+  for (int world = 1; world <= 16; ++world)
+    for (int tp = 1; tp <= world; ++tp)
+      for (int pp = 1; pp <= world; ++pp)
+        if (world % (tp * pp) == 0) out.push_back({world, tp, pp, world / (tp * pp)});
+  return out;
+}
+
+const std::vector<std::vector<Axis>> kAxisSets = {
+    {Axis::kTensor}, {Axis::kData}, {Axis::kPipeline},
+    {Axis::kTensor, Axis::kPipeline},  // model-parallel group
+    {Axis::kTensor, Axis::kData}, {Axis::kData, Axis::kPipeline}};
+
+TEST(RankGrid, MegatronOrderForEveryConfig) {
+  for (const Config& c : all_configs()) {
+    RankGrid grid(c.world, c.tp, c.pp);
+    ASSERT_EQ(grid.dp(), c.dp);
+    for (int pp = 0; pp < c.pp; ++pp)
+      for (int dp = 0; dp < c.dp; ++dp)
+        for (int tp = 0; tp < c.tp; ++tp) {
+          const int rank = pp * c.dp * c.tp + dp * c.tp + tp;  // Megatron's formula
+          EXPECT_EQ(grid.rank(Coord{tp, 0, dp, pp}), rank);
+          EXPECT_EQ(grid.coord(rank), (Coord{tp, 0, dp, pp}));
+        }
+  }
+}
+
+TEST(RankGrid, GroupsPartitionTheWorldForEveryConfig) {
+  for (const Config& c : all_configs()) {
+    RankGrid grid(c.world, c.tp, c.pp);
+    for (const auto& axes : kAxisSets) {
+      int expected_size = 1;
+      for (Axis a : axes) expected_size *= grid.size(a);
+      std::multiset<int> covered;
+      for (const auto& g : grid.groups(axes)) {
+        ASSERT_EQ(static_cast<int>(g.size()), expected_size);
+        for (int r : g) {
+          covered.insert(r);
+          // Members differ from each other only along `axes`.
+          EXPECT_EQ(grid.group(r, axes), g);
+          const Coord a = grid.coord(r), b = grid.coord(g.front());
+          for (int i = 0; i < kNumAxes; ++i) {
+            const Axis axis = static_cast<Axis>(i);
+            bool free = false;
+            for (Axis x : axes) free |= (x == axis);
+            if (!free) EXPECT_EQ(a.get(axis), b.get(axis));
+          }
+        }
+      }
+      ASSERT_EQ(static_cast<int>(covered.size()), c.world);
+      for (int r = 0; r < c.world; ++r) EXPECT_EQ(covered.count(r), 1u);
+    }
+  }
+}
+
+TEST(RankGrid, ConcreteGroupsOfEightRanks) {
+  RankGrid grid(8, /*tp=*/2, /*pp=*/2);  // dp = 2
+  EXPECT_EQ(grid.groups({Axis::kTensor}),
+            (std::vector<std::vector<int>>{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(grid.groups({Axis::kData}),
+            (std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(grid.groups({Axis::kPipeline}),
+            (std::vector<std::vector<int>>{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(grid.embedding_group(6), (std::vector<int>{2, 6}));
+  EXPECT_EQ(RankGrid(4, 2, 1).embedding_group(3), (std::vector<int>{3}));
+}
+
+TEST(RankGrid, ContextAxisSitsBetweenTensorAndData) {
+  RankGrid grid(16, /*tp=*/2, /*pp=*/2, /*dp=*/2, /*cp=*/2);
+  EXPECT_EQ(grid.rank(Coord{1, 1, 1, 1}), ((1 * 2 + 1) * 2 + 1) * 2 + 1);
+  EXPECT_EQ(grid.group(0, {Axis::kContext}), (std::vector<int>{0, 2}));
+}
+
+void expect_error_mentions(const std::function<void()>& f,
+                           const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception";
+  } catch (const ValueError& e) {
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+TEST(RankGrid, InvalidConfigsNameEveryFactor) {
+  expect_error_mentions([] { RankGrid(6, 4, 1); },
+                        {"world size 6", "tensor(4)", "pipeline(1)", "context(1)", "= 4"});
+  expect_error_mentions([] { RankGrid(8, 2, 2, 3); },
+                        {"world size 8", "tensor(2)", "pipeline(2)", "data(3)", "= 12"});
+  expect_error_mentions([] { RankGrid(8, 0, 1); }, {"tensor=0"});
+  expect_error_mentions([] { RankGrid(4, 2, 1).coord(4); }, {"rank 4", "[0, 4)"});
+  expect_error_mentions([] { RankGrid(4, 2, 1).rank(Coord{2, 0, 0, 0}); }, {"tp coordinate 2"});
+  EXPECT_THROW(parse_axis("xp"), ValueError);
+}
+
+}  // namespace
+}  // namespace mapp
