@@ -18,11 +18,13 @@ namespace mapp::torch_ext {
 namespace {
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
-  MAPP_CHECK_STATE(c10d::is_process_group_registered(group_name),
-                   "no process group is registered under the name '", group_name,
-                   "'; call torch.distributed.init_process_group (and "
-                   "megatronapp.initialize_model_parallel) first and pass group.group_name");
-  return c10d::resolve_process_group(group_name);
+  try {
+    return c10d::resolve_process_group(group_name);
+  } catch (const c10::Error&) {
+    MAPP_CHECK_STATE(false, "no process group is registered under the name '", group_name,
+                     "'; call torch.distributed.init_process_group (and "
+                     "megatronapp.initialize_model_parallel) first and pass group.group_name");
+  }
 }
 
 // Waits for `work`, turning a c10d failure or a timeout into a BackendError

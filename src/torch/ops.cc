@@ -26,10 +26,10 @@ at::Tensor vocab_ce_local_stats_cpu(const at::Tensor& logits, const at::Tensor& 
   shape.back() = kVocabCeStatsPerRow;
   at::Tensor stats = at::empty(shape, x.options());
   if (f64) {
-    vocab_ce_local_stats(x.data_ptr<double>(), t.data_ptr<std::int64_t>(), rows, vocab,
+    ::mapp::vocab_ce_local_stats(x.data_ptr<double>(), t.data_ptr<std::int64_t>(), rows, vocab,
                          vocab_start, stats.data_ptr<double>());
   } else {
-    vocab_ce_local_stats(x.data_ptr<float>(), t.data_ptr<std::int64_t>(), rows, vocab,
+    ::mapp::vocab_ce_local_stats(x.data_ptr<float>(), t.data_ptr<std::int64_t>(), rows, vocab,
                          vocab_start, stats.data_ptr<float>());
   }
   return stats;

@@ -1,0 +1,188 @@
+"""A Megatron-style GPT built only from the tensor-parallel layers.
+
+Pre-LayerNorm decoder blocks with causal self-attention; attention heads and
+the MLP's hidden units are split across the tensor group; activations inside
+the model use Megatron's [sequence, batch, hidden] layout so that sequence
+parallelism can shard dim 0. Input and output embeddings are tied by default.
+
+For a given seed the model is the same function at every tensor-parallel size:
+each layer draws its full weight and keeps its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel_state import ParallelState
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from ..tensor_parallel import mappings
+from ..tensor_parallel.utils import divide, resolve_state
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the model. Fields mirror Megatron-LM's flags."""
+
+    vocab_size: int  #: padded vocabulary; divisible by the tensor-parallel size
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_attention_heads: int = 8  #: divisible by the tensor-parallel size
+    seq_length: int = 256  #: maximum sequence length (learned positions)
+    ffn_hidden_size: Optional[int] = None  #: default 4 * hidden_size
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    sequence_parallel: bool = False  #: shard LayerNorm/residual activations over tp
+    share_embeddings_and_output_weights: bool = True
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads})")
+
+    def num_parameters(self) -> int:
+        h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
+                         self.seq_length, self.num_layers)
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        out = 0 if self.share_embeddings_and_output_weights else v * h
+        return v * h + s * h + n * per_layer + 2 * h + out
+
+
+def _normal(std: float):
+    return lambda t: nn.init.normal_(t, 0.0, std)
+
+
+def _mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
+    for p in module.parameters():
+        p.sequence_parallel = enabled
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split across the tensor group. The fused
+    QKV projection's output features are ordered [head, (q, k, v), head_dim], so a
+    contiguous row shard of the weight is a whole set of heads."""
+
+    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float):
+        super().__init__()
+        tp = state.tp_size
+        self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        sp = cfg.sequence_parallel
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, 3 * cfg.hidden_size, sequence_parallel=sp,
+            init_method=_normal(cfg.init_method_std), parallel_state=state)
+        self.proj = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, sequence_parallel=sp,
+            init_method=_normal(output_std), parallel_state=state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, heads_local * 3 * head_dim]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, d]
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.proj(ctx)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float):
+        super().__init__()
+        sp = cfg.sequence_parallel
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, cfg.ffn_hidden_size, sequence_parallel=sp,
+            init_method=_normal(cfg.init_method_std), parallel_state=state)
+        self.fc2 = RowParallelLinear(
+            cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True, sequence_parallel=sp,
+            init_method=_normal(output_std), parallel_state=state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: ParallelState):
+        super().__init__()
+        # GPT-2 / Megatron scaled init of the output projections.
+        output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.attn = ParallelAttention(cfg, state, output_std)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.mlp = ParallelMLP(cfg, state, output_std)
+        _mark_sequence_parallel(self.ln1, cfg.sequence_parallel)
+        _mark_sequence_parallel(self.ln2, cfg.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTModel(nn.Module):
+    """``forward(input_ids [b, s], labels [b, s] | None)``: with labels, the
+    per-token loss [b, s] (float32); without, the vocabulary-sharded logits
+    [b, s, V/tp]."""
+
+    def __init__(self, config: GPTConfig, *, parallel_state: Optional[ParallelState] = None):
+        super().__init__()
+        state = resolve_state(parallel_state)
+        cfg = self.config = config
+        divide(cfg.vocab_size, state.tp_size, "vocab_size")
+        divide(cfg.num_attention_heads, state.tp_size, "num_attention_heads")
+        divide(cfg.ffn_hidden_size, state.tp_size, "ffn_hidden_size")
+        if cfg.sequence_parallel and state.tp_size == 1:
+            cfg.sequence_parallel = False  # nothing to shard
+        self.group = state.tensor_group
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
+            parallel_state=state)
+        self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        nn.init.normal_(self.position_embeddings.weight, 0.0, cfg.init_method_std)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, state) for _ in range(cfg.num_layers))
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        _mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
+        if cfg.share_embeddings_and_output_weights:
+            self.output_layer = None
+        else:
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
+                sequence_parallel=cfg.sequence_parallel,
+                init_method=_normal(cfg.init_method_std), parallel_state=state)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
+        b, s = input_ids.shape
+        if s > self.config.seq_length:
+            raise ValueError(
+                f"sequence length {s} exceeds the model's seq_length {self.config.seq_length}")
+        pos = torch.arange(s, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(pos)  # [b, s, h]
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.group)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.final_layernorm(x)
+        if self.output_layer is not None:
+            logits = self.output_layer(x)
+        else:
+            if self.config.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+            else:
+                x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
+            logits = F.linear(x, self.word_embeddings.weight)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group=self.group)
+        return loss.transpose(0, 1)

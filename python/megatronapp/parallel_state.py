@@ -1,0 +1,302 @@
+"""Hybrid-parallel topology: the rank grid and its torch.distributed groups.
+
+Topology is a value, :class:`ParallelState`, that the library passes around
+explicitly. The Megatron-compatible functions in this module
+(``get_tensor_model_parallel_rank()`` and friends) are a thin façade over one
+default instance, set by :func:`initialize_model_parallel`, so Megatron-style
+scripts work unchanged.
+
+Rank order is Megatron's: tensor-parallel rank varies fastest, then data, then
+pipeline::
+
+    rank = pp_rank * dp * tp + dp_rank * tp + tp_rank
+
+The math lives in C++ (``megatronapp.RankGrid``, ``src/topology/rank_grid.cc``);
+this module only turns its groups into process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from ._C import RankGrid
+
+__all__ = [
+    "ParallelState",
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "model_parallel_is_initialized",
+    "get_parallel_state",
+]
+
+
+@dataclass
+class ParallelState:
+    """The grid, this rank's coordinates and the process groups it belongs to.
+
+    Groups are ``torch.distributed.ProcessGroup`` objects; pass
+    ``group.group_name`` to the C++ collectives (``torch.ops.mapp.*``).
+    """
+
+    grid: RankGrid
+    rank: int
+    tensor_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    pipeline_group: dist.ProcessGroup
+    model_group: dist.ProcessGroup  # tensor x pipeline: one full model replica
+    embedding_group: Optional[dist.ProcessGroup]  # first + last stage; None if not a member
+    virtual_pipeline_size: Optional[int] = None
+    virtual_pipeline_rank: Optional[int] = None
+    # ranks of this rank's groups, for messages and tests
+    group_ranks: dict = field(default_factory=dict)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.grid.coord(self.rank).tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.grid.coord(self.rank).dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.grid.coord(self.rank).pp
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp
+
+    def is_pipeline_first_stage(self, ignore_virtual: bool = False) -> bool:
+        if not ignore_virtual and self.virtual_pipeline_size is not None:
+            if self.virtual_pipeline_rank not in (None, 0):
+                return False
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self, ignore_virtual: bool = False) -> bool:
+        if not ignore_virtual and self.virtual_pipeline_size is not None:
+            if self.virtual_pipeline_rank not in (None, self.virtual_pipeline_size - 1):
+                return False
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self) -> str:
+        c = self.grid.coord(self.rank)
+        return f"rank {self.rank} (pp={c.pp} dp={c.dp} tp={c.tp}) in {self.grid!r}"
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def _new_groups(grid: RankGrid, rank: int, axes: list[str], backend=None):
+    """Creates every group along `axes` (collectively, same order on all ranks)
+    and returns the one containing `rank` with its member list."""
+    mine, members = None, None
+    for ranks in grid.groups(axes):
+        group = dist.new_group(ranks=ranks, backend=backend)
+        if rank in ranks:
+            mine, members = group, ranks
+    return mine, members
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    *,
+    backend: Optional[str] = None,
+) -> ParallelState:
+    """Builds the (tp, pp, dp) grid over the default process group and creates
+    its groups. Call after ``torch.distributed.init_process_group``; every rank
+    must call it with the same arguments. dp is inferred as
+    ``world_size / (tp * pp)``.
+
+    Returns the new :class:`ParallelState` (also installed as the default that
+    the ``get_*`` functions of this module read).
+    """
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel() needs torch.distributed: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first "
+            "(torchrun sets the rendezvous environment)"
+        )
+    if _STATE is not None:
+        raise RuntimeError(
+            "model parallel state is already initialized; call "
+            "megatronapp.destroy_model_parallel() before initializing it again"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size)
+    if virtual_pipeline_model_parallel_size is not None:
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError(
+                "virtual_pipeline_model_parallel_size must be >= 1 or None, got "
+                f"{virtual_pipeline_model_parallel_size}"
+            )
+        if pipeline_model_parallel_size == 1 and virtual_pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "virtual pipeline stages (virtual_pipeline_model_parallel_size="
+                f"{virtual_pipeline_model_parallel_size}) need pipeline_model_parallel_size > 1"
+            )
+    tp_group, tp_ranks = _new_groups(grid, rank, ["tp"], backend)
+    dp_group, dp_ranks = _new_groups(grid, rank, ["dp"], backend)
+    pp_group, pp_ranks = _new_groups(grid, rank, ["pp"], backend)
+    mp_group, mp_ranks = _new_groups(grid, rank, ["tp", "pp"], backend)
+    emb_group, emb_ranks = None, None
+    seen = set()
+    for r in range(world):  # embedding groups: first and last stage per (tp, dp)
+        ranks = tuple(grid.embedding_group(r))
+        if ranks in seen:
+            continue
+        seen.add(ranks)
+        g = dist.new_group(ranks=list(ranks), backend=backend)
+        if rank in ranks:
+            emb_group, emb_ranks = g, list(ranks)
+    _STATE = ParallelState(
+        grid=grid,
+        rank=rank,
+        tensor_group=tp_group,
+        data_group=dp_group,
+        pipeline_group=pp_group,
+        model_group=mp_group,
+        embedding_group=emb_group,
+        virtual_pipeline_size=virtual_pipeline_model_parallel_size,
+        virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size else None,
+        group_ranks={"tp": tp_ranks, "dp": dp_ranks, "pp": pp_ranks, "mp": mp_ranks,
+                     "embedding": emb_ranks},
+    )
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Forgets the default state and destroys its process groups."""
+    global _STATE
+    if _STATE is None:
+        return
+    groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
+              _STATE.model_group, _STATE.embedding_group}
+    for g in groups:
+        if g is not None and dist.is_initialized():
+            dist.destroy_process_group(g)
+    _STATE = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    """The default state; raises a RuntimeError that says what to call if unset."""
+    if _STATE is None:
+        raise RuntimeError(
+            "megatronapp model parallel state is not initialized: call "
+            "torch.distributed.init_process_group(...) and then "
+            "megatronapp.initialize_model_parallel(tensor_model_parallel_size=..., "
+            "pipeline_model_parallel_size=...) before building parallel layers"
+        )
+    return _STATE
+
+
+# ---- Megatron-compatible façade ------------------------------------------------
+
+def get_tensor_model_parallel_group():
+    return get_parallel_state().tensor_group
+
+
+def get_pipeline_model_parallel_group():
+    return get_parallel_state().pipeline_group
+
+
+def get_data_parallel_group():
+    return get_parallel_state().data_group
+
+
+def get_model_parallel_group():
+    return get_parallel_state().model_group
+
+
+def get_embedding_group():
+    return get_parallel_state().embedding_group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp_rank
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pp_rank
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().dp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp_size
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pp_size
+
+
+def get_data_parallel_world_size() -> int:
+    return get_parallel_state().dp_size
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 in this rank's tensor group."""
+    return get_parallel_state().group_ranks["tp"][0]
+
+
+def get_data_parallel_src_rank() -> int:
+    return get_parallel_state().group_ranks["dp"][0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return get_parallel_state().group_ranks["pp"][0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return get_parallel_state().group_ranks["pp"][-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    s = get_parallel_state()
+    ranks = s.group_ranks["pp"]
+    return ranks[(s.pp_rank + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    s = get_parallel_state()
+    ranks = s.group_ranks["pp"]
+    return ranks[(s.pp_rank - 1) % len(ranks)]
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return get_parallel_state().virtual_pipeline_size
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return get_parallel_state().virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    get_parallel_state().virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    return get_parallel_state().is_pipeline_first_stage(ignore_virtual)
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    return get_parallel_state().is_pipeline_last_stage(ignore_virtual)

@@ -1,0 +1,219 @@
+"""Tensor-parallel layers (Megatron-LM's weight layouts).
+
+Weights are created as the full (master) matrix from the global RNG and then
+sliced, so for a given seed the model computes the same function at every
+tensor-parallel size (see ``utils.init_sharded_``). Pass ``init_method`` to
+replace the default initialization (that of ``nn.Linear`` / ``nn.Embedding``);
+it is applied to the full tensor.
+
+Each layer takes ``parallel_state=None`` (the default state) or an explicit
+:class:`~megatronapp.parallel_state.ParallelState`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel_state import ParallelState
+from . import mappings
+from .utils import divide, init_sharded_, resolve_state, set_tensor_model_parallel_attributes
+
+
+def _linear_weight_init(weight: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # as nn.Linear.reset_parameters
+
+
+def _linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], None]:
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return lambda b: nn.init.uniform_(b, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output features) across the tensor group.
+
+    ``.weight`` is [out/tp, in] and holds rows [r*out/tp, (r+1)*out/tp) of the
+    full weight on tensor rank r; ``.bias`` is [out/tp]. The output is this
+    rank's slice of the last dim, or the full output with ``gather_output=True``.
+    With ``sequence_parallel=True`` the input is sharded along dim 0 (sequence,
+    Megatron's [s, b, h]) and all-gathered before the matmul.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        *,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        parallel_state: Optional[ParallelState] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        state = resolve_state(parallel_state)
+        if gather_output and sequence_parallel:
+            raise ValueError(
+                "ColumnParallelLinear: gather_output=True cannot be combined with "
+                "sequence_parallel=True (the next layer expects a sequence shard)"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.group = state.tensor_group
+        tp, rank = state.tp_size, state.tp_rank
+        self.output_size_per_partition = divide(
+            out_features, tp, "ColumnParallelLinear out_features")
+        kw = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features, **kw))
+        init_sharded_(self.weight, (out_features, in_features), 0, rank, tp,
+                      init_method or _linear_weight_init)
+        set_tensor_model_parallel_attributes(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, **kw))
+            init_sharded_(self.bias, (out_features,), 0, rank, tp,
+                          _linear_bias_init(in_features) if init_method is None else nn.init.zeros_)
+            set_tensor_model_parallel_attributes(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.output_size_per_partition}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input features) across the tensor group.
+
+    ``.weight`` is [out, in/tp] and holds columns [r*in/tp, (r+1)*in/tp) of the
+    full weight; ``.bias`` is the full [out], added once after the reduction.
+    The input is this rank's slice of the last dim (``input_is_parallel=True``)
+    or the full input, which is then split. Partial products are summed with an
+    all-reduce, or with a reduce-scatter along dim 0 under ``sequence_parallel``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        *,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        parallel_state: Optional[ParallelState] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        state = resolve_state(parallel_state)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.group = state.tensor_group
+        tp, rank = state.tp_size, state.tp_rank
+        self.input_size_per_partition = divide(in_features, tp, "RowParallelLinear in_features")
+        kw = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition, **kw))
+        init_sharded_(self.weight, (out_features, in_features), 1, rank, tp,
+                      init_method or _linear_weight_init)
+        set_tensor_model_parallel_attributes(self.weight, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))
+            init_sharded_(self.bias, (out_features,), 0, 0, 1,
+                          _linear_bias_init(in_features) if init_method is None else nn.init.zeros_)
+            # Under sequence parallelism each rank adds the bias to its own
+            # sequence shard, so its gradient is a partial sum over the group.
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.input_size_per_partition}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by rows (vocabulary) across the tensor group.
+
+    ``.weight`` is [V/tp, D] and holds rows [r*V/tp, (r+1)*V/tp) of the full
+    table. Each rank looks up the ids it owns, zeroes the rest, and the partial
+    results are summed (all-reduce; reduce-scatter along dim 0 when
+    ``sequence_parallel=True``, for inputs laid out [s, b]).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        sequence_parallel: bool = False,
+        init_method: Optional[Callable[[torch.Tensor], None]] = None,
+        parallel_state: Optional[ParallelState] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        state = resolve_state(parallel_state)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        self.group = state.tensor_group
+        tp, rank = state.tp_size, state.tp_rank
+        self.num_embeddings_per_partition = divide(
+            num_embeddings, tp, "VocabParallelEmbedding num_embeddings (vocabulary size)")
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(
+            self.num_embeddings_per_partition, embedding_dim, dtype=dtype, device=device))
+        init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, rank, tp,
+                      init_method or nn.init.normal_)
+        set_tensor_model_parallel_attributes(self.weight, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}), "
+                f"got values in [{int(ids.min())}, {int(ids.max())}]")
+        if self.group.size() > 1:
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} "
+                f"(local rows [{self.vocab_start_index}, {self.vocab_end_index}))")

@@ -1,0 +1,107 @@
+"""Partition bookkeeping for tensor-parallel parameters.
+
+Every sharded parameter carries three attributes (Megatron's names):
+``tensor_model_parallel = True``, ``partition_dim`` (the dim split across the
+tensor group) and ``partition_stride = 1``. Parameters that are replicated over
+the tensor group but see only part of the sequence under sequence parallelism
+carry ``sequence_parallel = True``: their gradients are partial sums that
+:func:`megatronapp.training.finalize_model_grads` all-reduces over the group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _collectives
+from ..parallel_state import ParallelState, get_parallel_state
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or a ValueError that says what did not divide."""
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size "
+            f"({denominator}); choose sizes that divide evenly"
+        )
+    return numerator // denominator
+
+
+def resolve_state(parallel_state: Optional[ParallelState]) -> ParallelState:
+    return parallel_state if parallel_state is not None else get_parallel_state()
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def init_sharded_(
+    param: torch.Tensor,
+    full_shape: tuple,
+    partition_dim: int,
+    rank: int,
+    world: int,
+    init_method: Callable[[torch.Tensor], None],
+) -> None:
+    """Initializes the full (master) weight on the CPU with the global RNG, then
+    keeps this rank's slice. Every rank draws the same full weight (seed them
+    identically), so a model is the same function for every tensor-parallel size."""
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    part = full.chunk(world, dim=partition_dim)[rank]
+    with torch.no_grad():
+        param.copy_(part)
+
+
+def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """This rank's slice of `full` for the (possibly sharded) parameter `param`."""
+    if not is_tensor_parallel(param):
+        return full
+    return full.chunk(state.tp_size, dim=param.partition_dim)[state.tp_rank]
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    module: torch.nn.Module, full: dict, parallel_state: Optional[ParallelState] = None
+) -> None:
+    """Loads an unsharded (tensor-parallel size 1) state dict into a sharded module."""
+    state = resolve_state(parallel_state)
+    params = dict(module.named_parameters())
+    missing = [k for k in params if k not in full]
+    if missing:
+        raise KeyError(f"full state dict lacks parameters {missing}")
+    for name, p in params.items():
+        src = shard_full_tensor(full[name], p, state)
+        if src.shape != p.shape:
+            raise ValueError(
+                f"{name}: full tensor {tuple(full[name].shape)} slices to "
+                f"{tuple(src.shape)} on tp rank {state.tp_rank}, parameter is {tuple(p.shape)}"
+            )
+        p.copy_(src)
+
+
+@torch.no_grad()
+def gather_full_state_dict(
+    module: torch.nn.Module, parallel_state: Optional[ParallelState] = None
+) -> dict:
+    """The unsharded parameters of a sharded module (collective over the tensor group)."""
+    state = resolve_state(parallel_state)
+    out = {}
+    for name, p in module.named_parameters():
+        if is_tensor_parallel(p):
+            out[name] = _collectives.all_gather(p.detach(), p.partition_dim, state.tensor_group).clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def tensor_group_of(parallel_state: Optional[ParallelState]) -> dist.ProcessGroup:
+    return resolve_state(parallel_state).tensor_group
