@@ -27,13 +27,15 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
   }
 }
 
-// Waits for `work`, turning a c10d failure or a timeout into a BackendError
-// that names the operation and the group (a hang must become an error).
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op,
-          const std::string& group_name) {
+// Issues a collective and waits for it, turning a c10d failure or a timeout
+// into a BackendError that names the operation and the group (a hang must
+// become an error). `issue` returns the c10d Work.
+template <typename Issue>
+void run(const char* op, const std::string& group_name, Issue&& issue) {
   const auto timeout = std::chrono::milliseconds(
       1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
   try {
+    c10::intrusive_ptr<c10d::Work> work = issue();
     work->wait(timeout);
   } catch (const std::exception& e) {
     MAPP_FAIL_BACKEND(op, " on group '", group_name, "' failed: ", e.what());
@@ -74,7 +76,7 @@ at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
   std::vector<at::Tensor> tensors{buf};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(pg->allreduce(tensors, opts), "all_reduce", group_name);
+  run("all_reduce", group_name, [&] { return pg->allreduce(tensors, opts); });
   if (!buf.is_same(tensor)) tensor.copy_(buf);
   return tensor;
 }
@@ -87,12 +89,12 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
   if (world == 1) return tensor.clone();
   const bool upcast = needs_upcast(tensor);
   at::Tensor in = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
+  // c10d gathers along dim 0: out is [world * n0, ...], member r at rows r*n0...
   std::vector<std::int64_t> shape = in.sizes().vec();
-  shape.insert(shape.begin(), world);
+  shape[0] *= world;
   at::Tensor out = at::empty(shape, in.options());
-  wait(pg->_allgather_base(out, in), "all_gather", group_name);
-  // out is [world, *shape]; concatenating the members along dim.
-  at::Tensor gathered = dim == 0 ? out.flatten(0, 1) : at::cat(out.unbind(0), dim);
+  run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); });
+  at::Tensor gathered = dim == 0 ? out : at::cat(out.chunk(world, 0), dim);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
 
@@ -112,7 +114,7 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
   std::vector<std::int64_t> out_shape = src.sizes().vec();
   out_shape[dim] /= world;
   at::Tensor out = at::empty(out_shape, in.options());
-  wait(pg->_reduce_scatter_base(out, in), "reduce_scatter", group_name);
+  run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); });
   return upcast ? out.to(tensor.scalar_type()) : out;
 }
 

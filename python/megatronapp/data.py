@@ -1,0 +1,91 @@
+"""A tiny, download-free data pipeline for the examples and tests.
+
+* :class:`ByteTokenizer` — UTF-8 bytes as tokens (vocabulary 256). Nothing to
+  download, nothing to train, and every text round-trips.
+* :class:`TextDataset` — a token stream from one text file, split into train and
+  validation ranges. Batches are drawn by a generator seeded with
+  (seed, split, iteration), so every rank — whatever the parallel
+  configuration — sees the same global batch at the same iteration, and each
+  data-parallel rank takes its own rows. That makes runs at different
+  (tp, dp) directly comparable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class ByteTokenizer:
+    vocab_size = 256
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of
+    divisible_by * tp so that every shard has the same, aligned size."""
+    multiple = divisible_by * tensor_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def default_corpus() -> str:
+    """Path of the public-domain corpus shipped with the repository."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "..", "..", "data", "kjv_excerpt.txt"),
+                      os.path.join(here, "data", "kjv_excerpt.txt")):
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate)
+    raise FileNotFoundError(
+        "the bundled corpus data/kjv_excerpt.txt was not found; pass --data-path FILE")
+
+
+class TextDataset:
+    def __init__(self, path: str, seq_length: int, valid_fraction: float = 0.05,
+                 tokenizer: ByteTokenizer | None = None):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"data file {path!r} does not exist")
+        self.tokenizer = tokenizer or ByteTokenizer()
+        with open(path, encoding="utf-8") as f:
+            tokens = self.tokenizer.encode(f.read())
+        n_valid = int(len(tokens) * valid_fraction)
+        self.splits = {"train": tokens[: len(tokens) - n_valid], "valid": tokens[len(tokens) - n_valid:]}
+        self.seq_length = seq_length
+        for name, t in self.splits.items():
+            if len(t) <= seq_length + 1:
+                raise ValueError(
+                    f"{name} split of {path!r} has {len(t)} tokens, fewer than seq_length+1 "
+                    f"({seq_length + 1}); use a larger file or a shorter --seq-length")
+
+    def global_batch(self, split: str, iteration: int, global_batch_size: int, seed: int):
+        """(tokens, labels), each [global_batch_size, seq_length] int64."""
+        stream = self.splits[split]
+        # A fixed mix (not hash(): Python salts string hashes per process).
+        mixed = (seed * 1_000_003 + iteration * 2 + (split == "valid")) & 0x7FFFFFFFFFFF
+        g = torch.Generator().manual_seed(mixed)
+        starts = torch.randint(0, len(stream) - self.seq_length - 1, (global_batch_size,),
+                               generator=g)
+        idx = starts.unsqueeze(1) + torch.arange(self.seq_length + 1)
+        window = stream[idx]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    @staticmethod
+    def microbatches(tokens, labels, micro_batch_size: int, dp_rank: int, dp_size: int):
+        """This data-parallel rank's microbatches of a global batch: the rows
+        [(m * dp + dp_rank) * mbs, ... + mbs) for m = 0, 1, ..."""
+        rows = tokens.shape[0]
+        step = micro_batch_size * dp_size
+        if rows % step != 0:
+            raise ValueError(
+                f"global batch size {rows} is not divisible by micro-batch size "
+                f"({micro_batch_size}) x data-parallel size ({dp_size})")
+        out = []
+        for m in range(rows // step):
+            lo = (m * dp_size + dp_rank) * micro_batch_size
+            out.append((tokens[lo: lo + micro_batch_size], labels[lo: lo + micro_batch_size]))
+        return out

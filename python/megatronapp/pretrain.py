@@ -1,0 +1,242 @@
+"""Megatron-style GPT pretraining on the bundled corpus (examples/pretrain_gpt.py).
+
+Launch with torchrun; every flag has a small CPU-friendly default:
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py \\
+        --tensor-model-parallel-size 2 --train-iters 200
+
+Each iteration draws one global batch (identical on every rank for a given
+seed), splits it into this data-parallel rank's microbatches, accumulates
+gradients, finalizes them over the tensor and data groups, clips and steps.
+Rank 0 shows a progress bar (loss, tokens/s), prints a summary, and writes the
+loss curve as CSV and PNG into --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state as ps
+from .data import TextDataset, default_corpus, padded_vocab_size
+from .models import GPTConfig, GPTModel
+from .training import clip_grad_norm_, finalize_model_grads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="must be 1 until pipeline parallelism lands")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=4, help="validation batches at the end")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data-path", default=None, help="text file (default: bundled KJV excerpt)")
+    g.add_argument("--output-dir", default="runs/gpt", help="loss curve CSV/PNG and summary")
+    g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    return p
+
+
+def _lr_at(args, it: int) -> float:
+    if it < args.lr_warmup_iters:
+        return args.lr * (it + 1) / args.lr_warmup_iters
+    span = max(1, args.train_iters - args.lr_warmup_iters)
+    frac = min(1.0, (it - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def _init_distributed(args) -> None:
+    if dist.is_initialized():
+        return
+    backend = args.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+
+
+def _validate(args, world: int) -> None:
+    if args.pipeline_model_parallel_size != 1:
+        raise SystemExit("--pipeline-model-parallel-size > 1 is not supported yet "
+                         "(pipeline parallelism is a later milestone); use 1")
+    tp = args.tensor_model_parallel_size
+    if world % tp != 0:
+        raise SystemExit(f"world size {world} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    dp = world // tp
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        raise SystemExit(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+
+
+def train(args) -> dict:
+    """Runs the whole job; returns the summary (also written as summary.json)."""
+    _init_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _validate(args, world)
+    state = ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.manual_seed(args.seed)  # same on every rank: the master weights agree
+
+    dataset = TextDataset(args.data_path or default_corpus(), args.seq_length)
+    cfg = GPTConfig(
+        vocab_size=padded_vocab_size(dataset.tokenizer.vocab_size, state.tp_size,
+                                     args.make_vocab_size_divisible_by),
+        hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size, sequence_parallel=args.sequence_parallel,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    model = GPTModel(cfg, parallel_state=state).to(device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+
+    def batch_loss(split: str, it: int, backward: bool) -> float:
+        tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
+        micro = dataset.microbatches(tokens, labels, args.micro_batch_size,
+                                     state.dp_rank, state.dp_size)
+        total = torch.zeros(1, dtype=torch.float64)
+        for x, y in micro:
+            loss = model(x.to(device), y.to(device)).mean() / len(micro)
+            if backward:
+                loss.backward()
+            total += loss.detach().double().cpu()
+        torch.distributed.all_reduce(total, group=state.data_group)  # SUM; divide below
+        return float(total) / state.dp_size
+
+    is_logger = rank == 0
+    bar = None
+    if is_logger and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.train_iters, desc="train", unit="it", dynamic_ncols=True)
+    if is_logger:
+        print(f"[megatronapp] {state.describe()}; model {cfg.num_parameters() / 1e6:.2f}M "
+              f"parameters, vocab {cfg.vocab_size}, "
+              f"{args.global_batch_size * args.seq_length} tokens per iteration", flush=True)
+
+    history = []
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    start = time.perf_counter()
+    for it in range(args.train_iters):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(args, it)
+        opt.zero_grad(set_to_none=True)
+        loss = batch_loss("train", it, backward=True)
+        finalize_model_grads(model, state)
+        grad_norm = clip_grad_norm_(model.parameters(), args.clip_grad, state)
+        opt.step()
+        dt = time.perf_counter() - t0
+        history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
+                        "grad_norm": grad_norm, "seconds": dt,
+                        "tokens_per_s": tokens_per_iter / dt})
+        if is_logger:
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}")
+                bar.update(1)
+            elif (it + 1) % args.log_interval == 0 or it == 0:
+                print(f"iteration {it + 1:6d}/{args.train_iters} | loss {loss:.4f} | "
+                      f"lr {_lr_at(args, it):.2e} | grad norm {grad_norm:.3f} | "
+                      f"{tokens_per_iter / dt:,.0f} tokens/s", flush=True)
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+
+    model.eval()
+    with torch.no_grad():
+        valid = [batch_loss("valid", i, backward=False) for i in range(args.eval_iters)]
+    model.train()
+    summary = {
+        "world_size": world, "tp": state.tp_size, "dp": state.dp_size, "pp": state.pp_size,
+        "parameters": cfg.num_parameters(), "iterations": args.train_iters,
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "valid_loss": sum(valid) / len(valid) if valid else None,
+        "wall_seconds": wall,
+        "tokens_per_s": tokens_per_iter * args.train_iters / wall if wall > 0 else 0.0,
+        "losses": [h["loss"] for h in history],
+    }
+    if is_logger:
+        _write_outputs(args.output_dir, history, summary)
+        print(f"[megatronapp] done: {args.train_iters} iterations in {wall:.1f}s, loss "
+              f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (validation "
+              f"{summary['valid_loss']:.3f}), {summary['tokens_per_s']:,.0f} tokens/s; "
+              f"loss curve in {args.output_dir}/loss.csv and loss.png", flush=True)
+    ps.destroy_model_parallel()
+    return summary
+
+
+def _write_outputs(out_dir: str, history: list, summary: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "loss.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(history[0].keys()) if history else ["iteration"])
+        w.writeheader()
+        w.writerows(history)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=2)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="train")
+    if summary.get("valid_loss") is not None:
+        ax.axhline(summary["valid_loss"], color="tab:orange", ls="--", label="validation (end)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"GPT {summary['parameters'] / 1e6:.2f}M, tp={summary['tp']} dp={summary['dp']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    train(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Pieces of a Megatron-style training step that need the topology.
+
+* :func:`finalize_model_grads` — after the last microbatch's backward: sums the
+  partial gradients of sequence-parallel parameters over the tensor group, then
+  averages every gradient over the data-parallel group (SUM then divide: Gloo's
+  AVG has a known silent bug). This is the plain data-parallel reduction; the
+  overlapped, bucketed, compressed engine lives in ``megatronapp.data_parallel``
+  once it lands.
+* :func:`clip_grad_norm_` — global gradient norm over a tensor-parallel model,
+  counting each replicated parameter once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from . import _collectives
+from .parallel_state import ParallelState
+from .tensor_parallel.utils import is_tensor_parallel, resolve_state
+
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _coalesced_all_reduce_(tensors: list, group, scale: Optional[float] = None) -> None:
+    """Sums `tensors` over `group` in place, packing same-dtype tensors into
+    flat buckets of at most 25 MiB so that many small gradients cost few calls."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        bucket, size = [], 0
+        for t in same + [None]:
+            if t is not None:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+            if bucket and (t is None or size >= _BUCKET_BYTES):
+                flat = _flatten_dense_tensors(bucket)
+                _collectives.all_reduce_sum_(flat, group)
+                if scale is not None:
+                    flat.mul_(scale)
+                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(src)
+                bucket, size = [], 0
+
+
+@torch.no_grad()
+def finalize_model_grads(
+    model: torch.nn.Module, parallel_state: Optional[ParallelState] = None
+) -> None:
+    """Completes the gradients of one optimizer step (see module docstring)."""
+    state = resolve_state(parallel_state)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if state.tp_size > 1:
+        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+        if sp:
+            _coalesced_all_reduce_(sp, state.tensor_group)
+    if state.dp_size > 1:
+        _coalesced_all_reduce_([p.grad for p in params], state.data_group,
+                               scale=1.0 / state.dp_size)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    parallel_state: Optional[ParallelState] = None,
+) -> float:
+    """Scales gradients so that their global L2 norm is at most `max_norm`;
+    returns the norm before clipping. Sharded parameters contribute their shard
+    on every tensor rank; replicated ones only on tensor rank 0."""
+    state = resolve_state(parallel_state)
+    params = [p for p in parameters if p.grad is not None]
+    count_here = [p for p in params if is_tensor_parallel(p) or state.tp_rank == 0]
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in count_here:
+        total += p.grad.detach().double().pow(2).sum().cpu()
+    _collectives.all_reduce_sum_(total, state.model_group)
+    norm = math.sqrt(float(total))
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(coef)
+    return norm

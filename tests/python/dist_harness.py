@@ -1,0 +1,76 @@
+"""Run a function on N real Gloo ranks (spawned processes) and collect results.
+
+`run_ranks(fn, world_size, *args)` starts `world_size` processes, each calling
+`torch.distributed.init_process_group("gloo")` on a fresh loopback port and then
+`fn(rank, world_size, *args)`. It returns the per-rank return values, or raises
+with every failing rank's traceback. A rank that hangs is killed after
+`timeout` seconds and the call fails, so a test can never block CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            world_size=world_size, timeout=timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion failures
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import megatronapp
+
+            megatronapp.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                break  # one failure: the others may wait forever on it
+    except Exception as e:  # queue.Empty: somebody hung
+        errors[-1] = f"timed out after {timeout}s waiting for ranks ({e!r})"
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
