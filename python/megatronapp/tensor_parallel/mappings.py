@@ -65,6 +65,11 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        # Reduce in place when x is a fresh intermediate (the usual case: a
+        # matmul output); autograd's version counter guards any other reader.
+        if x._base is None and not (x.is_leaf and x.requires_grad) and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return _collectives.all_reduce_sum_(x, group)
         return _collectives.all_reduce_sum_(x.clone(), group)
 
     @staticmethod

@@ -1,0 +1,80 @@
+# Two commands do everything on a fresh Debian machine (see README.md):
+#   make demo   installs, builds, and trains a small GPT on 4 CPU ranks (TP=2 x DP=2)
+#   make test   installs, builds, and runs the C++ (ctest) and Python (pytest) suites
+# Both are incremental: stamps skip finished set-up, the build dir persists.
+
+SHELL        := /bin/bash
+PYTHON       ?= python3
+VENV         := .venv
+PY           := $(VENV)/bin/python
+STAMPS       := .stamps
+TORCH_SPEC   := torch==2.11.0
+BUILD_DIR    := build/py
+APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev \
+                libgtest-dev libbenchmark-dev python3-dev python3-venv
+SUDO         := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+NPROC        ?= 4
+DEMO_ITERS   ?= 300
+
+export MAPP_BUILD_TESTS := ON
+export OMP_NUM_THREADS  ?= 1
+
+.PHONY: all setup build demo test test-cpp test-python bench gpu-check clean distclean help
+all: test
+
+help:
+	@echo "make demo | make test | make bench | make gpu-check | make clean"
+
+# ---- set-up ---------------------------------------------------------------
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:" $$missing; \
+	  $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+	@touch $@
+
+$(STAMPS)/venv: $(STAMPS)/apt requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC) -r requirements-dev.txt
+	@touch $@
+
+setup: $(STAMPS)/venv
+
+# Incremental: scikit-build-core reuses $(BUILD_DIR); ccache covers clean rebuilds.
+build: setup
+	$(PY) -m pip install -q --no-build-isolation -e .
+
+# ---- the two commands -----------------------------------------------------
+demo: build
+	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29510 \
+	  examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
+	  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	  --micro-batch-size 4 --global-batch-size 16 --lr 3e-3 \
+	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
+
+test: build test-cpp test-python
+
+test-cpp:
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
+
+test-python:
+	$(PY) -m pytest -q tests/python tests/gpu
+
+# ---- more -----------------------------------------------------------------
+bench: build
+	$(VENV)/bin/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29520 \
+	  benchmarks/tp_mlp_vs_dtensor.py
+
+# On a CUDA machine: build, check the kernels against the CPU reference, time them.
+gpu-check: build
+	$(PY) -m pytest -q tests/gpu
+	$(PY) benchmarks/kernels_gpu.py
+
+clean:
+	rm -rf build runs
+
+distclean: clean
+	rm -rf $(VENV) $(STAMPS)
