@@ -19,7 +19,7 @@ DEMO_ITERS   ?= 300
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test test-cpp test-python bench gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench gpu-check clean distclean help
 all: test
 
 help:
@@ -55,7 +55,10 @@ demo: build
 	  --micro-batch-size 4 --global-batch-size 16 --lr 3e-3 \
 	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
 
-test: build test-cpp test-python
+test: build lint test-cpp test-python
+
+lint:
+	$(VENV)/bin/ruff check python tests benchmarks examples
 
 test-cpp:
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2

@@ -10,11 +10,11 @@ F.cross_entropy forward+backward; prints milliseconds and the ratio.
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatronapp as mapp
+import torch
 from megatronapp.tensor_parallel import vocab_parallel_cross_entropy
 
 

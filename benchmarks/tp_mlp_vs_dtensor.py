@@ -16,14 +16,14 @@ import argparse
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import megatronapp as mapp
+import torch
 from megatronapp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
 
 
 class OurMLP(nn.Module):

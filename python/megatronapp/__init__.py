@@ -13,7 +13,7 @@ import os as _os
 
 import torch as _torch  # noqa: F401  (loads libtorch before our library)
 
-from . import _C
+from . import _C, models, parallel_state, tensor_parallel  # noqa: E402
 from ._C import RankGrid
 from .parallel_state import (
     ParallelState,
@@ -22,7 +22,6 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from . import parallel_state, tensor_parallel, models  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,7 @@
 """`python -m megatronapp` / `megatronapp-info`: build and environment report."""
 
-import torch
-
 import megatronapp as mapp
+import torch
 from megatronapp import _C
 
 

@@ -3,8 +3,9 @@ group resolved by name. Autograd-aware wrappers live in tensor_parallel.mappings
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
+
+import torch
 
 
 def group_size(group: dist.ProcessGroup) -> int:

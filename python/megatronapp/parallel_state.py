@@ -18,7 +18,6 @@ this module only turns its groups into process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -47,9 +46,9 @@ class ParallelState:
     data_group: dist.ProcessGroup
     pipeline_group: dist.ProcessGroup
     model_group: dist.ProcessGroup  # tensor x pipeline: one full model replica
-    embedding_group: Optional[dist.ProcessGroup]  # first + last stage; None if not a member
-    virtual_pipeline_size: Optional[int] = None
-    virtual_pipeline_rank: Optional[int] = None
+    embedding_group: dist.ProcessGroup | None  # first + last stage; None if not a member
+    virtual_pipeline_size: int | None = None
+    virtual_pipeline_rank: int | None = None
     # ranks of this rank's groups, for messages and tests
     group_ranks: dict = field(default_factory=dict)
 
@@ -94,7 +93,7 @@ class ParallelState:
         return f"rank {self.rank} (pp={c.pp} dp={c.dp} tp={c.tp}) in {self.grid!r}"
 
 
-_STATE: Optional[ParallelState] = None
+_STATE: ParallelState | None = None
 
 
 def _new_groups(grid: RankGrid, rank: int, axes: list[str], backend=None):
@@ -111,9 +110,9 @@ def _new_groups(grid: RankGrid, rank: int, axes: list[str], backend=None):
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> ParallelState:
     """Builds the (tp, pp, dp) grid over the default process group and creates
     its groups. Call after ``torch.distributed.init_process_group``; every rank
@@ -282,11 +281,11 @@ def get_pipeline_model_parallel_prev_rank() -> int:
     return ranks[(s.pp_rank - 1) % len(ranks)]
 
 
-def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     return get_parallel_state().virtual_pipeline_size
 
 
-def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
     return get_parallel_state().virtual_pipeline_rank
 
 

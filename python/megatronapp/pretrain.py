@@ -22,8 +22,9 @@ import os
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
+
+import torch
 
 from . import parallel_state as ps
 from .data import TextDataset, default_corpus, padded_vocab_size

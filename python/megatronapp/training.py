@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
+
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import _collectives
 from .parallel_state import ParallelState
@@ -25,7 +26,7 @@ from .tensor_parallel.utils import is_tensor_parallel, resolve_state
 _BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _coalesced_all_reduce_(tensors: list, group, scale: Optional[float] = None) -> None:
+def _coalesced_all_reduce_(tensors: list, group, scale: float | None = None) -> None:
     """Sums `tensors` over `group` in place, packing same-dtype tensors into
     flat buckets of at most 25 MiB so that many small gradients cost few calls."""
     by_dtype: dict = {}
@@ -42,14 +43,14 @@ def _coalesced_all_reduce_(tensors: list, group, scale: Optional[float] = None) 
                 _collectives.all_reduce_sum_(flat, group)
                 if scale is not None:
                     flat.mul_(scale)
-                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                     dst.copy_(src)
                 bucket, size = [], 0
 
 
 @torch.no_grad()
 def finalize_model_grads(
-    model: torch.nn.Module, parallel_state: Optional[ParallelState] = None
+    model: torch.nn.Module, parallel_state: ParallelState | None = None
 ) -> None:
     """Completes the gradients of one optimizer step (see module docstring)."""
     state = resolve_state(parallel_state)
@@ -67,7 +68,7 @@ def finalize_model_grads(
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
-    parallel_state: Optional[ParallelState] = None,
+    parallel_state: ParallelState | None = None,
 ) -> float:
     """Scales gradients so that their global L2 norm is at most `max_norm`;
     returns the norm before clipping. Sharded parameters contribute their shard

@@ -5,10 +5,10 @@ import os
 import socket
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 import megatronapp  # noqa: F401  (registers torch.ops.mapp)
+import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

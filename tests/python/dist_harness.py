@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, port, args, queue):
-    import torch
     import torch.distributed as dist
+
+    import torch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

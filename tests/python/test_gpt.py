@@ -42,7 +42,7 @@ def test_gpt_losses_match_tp1(reference_losses, tmp_path, world, extra):
     assert len(reference) == STEPS
     assert reference[-1] < reference[0]  # it learns
     for rank_losses in losses:
-        for step, (got, want) in enumerate(zip(rank_losses, reference)):
+        for step, (got, want) in enumerate(zip(rank_losses, reference, strict=True)):
             assert abs(got - want) < 1e-4, f"step {step + 1}: {got} vs TP=1 {want} ({extra})"
 
 

@@ -1,8 +1,8 @@
 """Topology façade and clear errors for bad configurations."""
 
 import pytest
-import torch
 
+import torch
 from dist_harness import run_ranks
 
 
@@ -33,7 +33,8 @@ def test_megatron_facade_on_eight_ranks():
         assert r["tp_group_size"] == r["dp_group_size"] == r["pp_group_size"] == 2
         assert r["groups"]["tp"] == [rank - tp, rank - tp + 1]
         assert r["groups"]["pp"] == sorted([rank % 4, rank % 4 + 4])
-        assert r["groups"]["mp"] == sorted(x + 4 * p for p in (0, 1) for x in (rank % 4 - tp, rank % 4 - tp + 1))
+        first = rank % 4 - tp  # tensor-rank-0 member of this stage's tp group
+        assert r["groups"]["mp"] == sorted(x + 4 * p for p in (0, 1) for x in (first, first + 1))
         assert r["next"] == (rank + 4) % 8
 
 
@@ -54,7 +55,11 @@ def test_world_not_divisible_by_tp_times_pp_is_a_clear_error():
 def _bad_shapes(rank, world):
     import megatronapp as mapp
     from megatronapp.models import GPTConfig, GPTModel
-    from megatronapp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatronapp.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 
     mapp.initialize_model_parallel(tensor_model_parallel_size=2)
     msgs = []

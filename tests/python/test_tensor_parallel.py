@@ -4,9 +4,9 @@ gradient and weight gradients within 1e-5 (float32), with and without sequence
 parallelism."""
 
 import pytest
-import torch
 import torch.nn.functional as F
 
+import torch
 from dist_harness import run_ranks
 
 ATOL, RTOL = 1e-5, 1e-5

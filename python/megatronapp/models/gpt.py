@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+
+import torch.nn.functional as F
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel_state import ParallelState
@@ -24,9 +24,9 @@ from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mappings,
     vocab_parallel_cross_entropy,
 )
-from ..tensor_parallel import mappings
 from ..tensor_parallel.utils import divide, resolve_state
 
 
@@ -39,7 +39,7 @@ class GPTConfig:
     num_layers: int = 4
     num_attention_heads: int = 8  #: divisible by the tensor-parallel size
     seq_length: int = 256  #: maximum sequence length (learned positions)
-    ffn_hidden_size: Optional[int] = None  #: default 4 * hidden_size
+    ffn_hidden_size: int | None = None  #: default 4 * hidden_size
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     sequence_parallel: bool = False  #: shard LayerNorm/residual activations over tp
@@ -135,7 +135,7 @@ class GPTModel(nn.Module):
     per-token loss [b, s] (float32); without, the vocabulary-sharded logits
     [b, s, V/tp]."""
 
-    def __init__(self, config: GPTConfig, *, parallel_state: Optional[ParallelState] = None):
+    def __init__(self, config: GPTConfig, *, parallel_state: ParallelState | None = None):
         super().__init__()
         state = resolve_state(parallel_state)
         cfg = self.config = config
@@ -161,7 +161,7 @@ class GPTModel(nn.Module):
                 sequence_parallel=cfg.sequence_parallel,
                 init_method=_normal(cfg.init_method_std), parallel_state=state)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         b, s = input_ids.shape
         if s > self.config.seq_length:
             raise ValueError(

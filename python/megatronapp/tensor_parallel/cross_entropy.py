@@ -10,10 +10,9 @@ softmax from the saved logits and the per-row log-sum-exp.
 
 from __future__ import annotations
 
-from typing import Optional
+import torch.distributed as dist
 
 import torch
-import torch.distributed as dist
 
 from .. import _collectives
 from ..parallel_state import get_parallel_state
@@ -64,7 +63,7 @@ def vocab_parallel_cross_entropy(
     target: torch.Tensor,
     *,
     ignore_index: int = -100,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Per-token loss ``F.cross_entropy(full_logits, target, reduction='none')``
     for logits sharded on the last dim: ``logits`` [..., V/tp], ``target`` [...]

@@ -13,10 +13,11 @@ Each layer takes ``parallel_state=None`` (the default state) or an explicit
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+
+import torch.nn.functional as F
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel_state import ParallelState
@@ -51,10 +52,10 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         *,
-        init_method: Optional[Callable[[torch.Tensor], None]] = None,
-        parallel_state: Optional[ParallelState] = None,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        parallel_state: ParallelState | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)
@@ -116,10 +117,10 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         *,
-        init_method: Optional[Callable[[torch.Tensor], None]] = None,
-        parallel_state: Optional[ParallelState] = None,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        parallel_state: ParallelState | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)
@@ -178,10 +179,10 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         sequence_parallel: bool = False,
-        init_method: Optional[Callable[[torch.Tensor], None]] = None,
-        parallel_state: Optional[ParallelState] = None,
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        parallel_state: ParallelState | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)

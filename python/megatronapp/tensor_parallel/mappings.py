@@ -26,16 +26,15 @@ default :class:`~megatronapp.parallel_state.ParallelState`.
 
 from __future__ import annotations
 
-from typing import Optional
+import torch.distributed as dist
 
 import torch
-import torch.distributed as dist
 
 from .. import _collectives
 from ..parallel_state import get_parallel_state
 
 
-def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else get_parallel_state().tensor_group
 
 

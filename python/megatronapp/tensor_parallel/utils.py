@@ -10,10 +10,11 @@ carry ``sequence_parallel = True``: their gradients are partial sums that
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+
+import torch.distributed as dist
 
 import torch
-import torch.distributed as dist
 
 from .. import _collectives
 from ..parallel_state import ParallelState, get_parallel_state
@@ -29,7 +30,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def resolve_state(parallel_state: Optional[ParallelState]) -> ParallelState:
+def resolve_state(parallel_state: ParallelState | None) -> ParallelState:
     return parallel_state if parallel_state is not None else get_parallel_state()
 
 
@@ -70,7 +71,7 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, state: ParallelSt
 
 @torch.no_grad()
 def load_full_state_dict(
-    module: torch.nn.Module, full: dict, parallel_state: Optional[ParallelState] = None
+    module: torch.nn.Module, full: dict, parallel_state: ParallelState | None = None
 ) -> None:
     """Loads an unsharded (tensor-parallel size 1) state dict into a sharded module."""
     state = resolve_state(parallel_state)
@@ -90,7 +91,7 @@ def load_full_state_dict(
 
 @torch.no_grad()
 def gather_full_state_dict(
-    module: torch.nn.Module, parallel_state: Optional[ParallelState] = None
+    module: torch.nn.Module, parallel_state: ParallelState | None = None
 ) -> dict:
     """The unsharded parameters of a sharded module (collective over the tensor group)."""
     state = resolve_state(parallel_state)
@@ -103,5 +104,5 @@ def gather_full_state_dict(
     return out
 
 
-def tensor_group_of(parallel_state: Optional[ParallelState]) -> dist.ProcessGroup:
+def tensor_group_of(parallel_state: ParallelState | None) -> dist.ProcessGroup:
     return resolve_state(parallel_state).tensor_group
