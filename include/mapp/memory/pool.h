@@ -1,0 +1,156 @@
+// CachingPool: a caching allocator over a DeviceBackend.
+//
+// Note [Pool policy]
+//  1. Sizes round up to kMinBlock (512 B); blocks split exactly, so internal
+//     waste is below 512 B per allocation.
+//  2. Two pools: small requests (<= small_size, 1 MiB) and large ones never
+//     share a segment, so long-lived large tensors do not pin small slivers.
+//  3. Free blocks are indexed per (pool, stream) in segregated bins — 8 bins
+//     per power of two (TLSF-style) with a bitmap of non-empty bins. Lookup is
+//     best-fit within the request's own bin (bounded scan), else the first
+//     block of the next non-empty bin: O(1) with no allocation on the hot path.
+//  4. A found block larger than the request is split when the remainder is at
+//     least split_remainder(pool); freed blocks merge with free neighbours of
+//     the same segment immediately.
+//  5. Blocks belong to the stream they were allocated on. A block used on other
+//     streams (record_stream) returns to the free lists only after events
+//     recorded on those streams at free time have completed.
+//  6. When nothing fits the pool grows: a new segment (plain mode) or more
+//     mapped pages at the end of the (pool, stream) expandable segment, which
+//     then merge with a free tail — see Note [Expandable segments].
+//  7. Out of memory: release every cached segment / unmapped tail, retry once,
+//     then throw OutOfMemoryError with the pool's numbers; the pool stays valid.
+//  8. Optional garbage-collection threshold: before growing past
+//     gc_threshold * capacity, release cached memory first.
+//
+// Note [Expandable segments]
+//  Rationale: with plain segments, blocks in different segments never merge,
+//  so a workload whose sizes drift (batch size N -> N+1, per-layer buffers)
+//  strands free slivers at segment ends. Approach: per (pool, stream) reserve
+//  one large address range and map granularity-sized pages at its end on
+//  demand; everything mapped is one segment, so any two free neighbours merge.
+//  Limitations: only the free tail is ever unmapped (interior holes stay
+//  mapped until they become the tail); memory from virtual mappings cannot be
+//  shared through CUDA IPC; the address range reserved is va_bytes per
+//  (pool, stream).
+//
+// Invariants (checked by is_valid()):
+//  * Every segment's blocks tile [base, base + size) in address order,
+//    prev/next links agree, block addresses are kMinBlock-aligned.
+//  * No two address-adjacent free blocks (coalescing is eager).
+//  * A free block is in exactly one bin: the bin of its size in its
+//    (pool, stream) index; bitmap bits equal "bin non-empty".
+//  * The address map holds exactly the allocated and event-pending blocks.
+//  * Statistics equal the sums recomputed from the blocks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mapp/common/check.h"
+#include "mapp/memory/device.h"
+
+namespace mapp {
+
+class AllocTraceRecorder;
+
+// Allocation failed after releasing cached memory. Derives from
+// std::runtime_error (Python: RuntimeError / torch.OutOfMemoryError at the edge).
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct PoolOptions {
+  bool expandable_segments = false;
+  std::size_t small_size = std::size_t(1) << 20;         // <= this: small pool
+  std::size_t small_segment = std::size_t(2) << 20;      // plain small segment
+  std::size_t large_segment = std::size_t(20) << 20;     // plain segment for 1..10 MiB
+  std::size_t min_large_alloc = std::size_t(10) << 20;   // >= this: own segment
+  std::size_t round_large = std::size_t(2) << 20;        // rounding of own segments
+  std::size_t small_split_remainder = 512;               // split if remainder >= this
+  std::size_t large_split_remainder = 512;               // (torch: > 1 MiB)
+  std::size_t va_bytes = 0;            // expandable reservation per (pool, stream); 0 = capacity
+  double gc_threshold = 0.0;           // (0, 1]: release cache before exceeding; 0 = off
+  std::string name = "pool";
+
+  // PyTorch CUDACachingAllocator's default policy, reproduced on our
+  // machinery, for side-by-side comparisons on the same traces.
+  static PoolOptions torch_like();
+};
+
+struct PoolStats {
+  std::uint64_t allocated_bytes = 0;       // requested bytes of live allocations
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t active_bytes = 0;          // block bytes of live (and pending) blocks
+  std::uint64_t peak_active_bytes = 0;
+  std::uint64_t reserved_bytes = 0;        // bytes obtained from the device
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t num_allocs = 0;
+  std::uint64_t num_frees = 0;
+  std::uint64_t num_cache_hits = 0;        // served without growing
+  std::uint64_t num_device_allocs = 0;     // segments allocated or page ranges mapped
+  std::uint64_t num_device_frees = 0;
+  std::uint64_t num_oom_retries = 0;       // grew only after releasing the cache
+  std::uint64_t num_ooms = 0;
+  std::uint64_t num_segments = 0;
+  std::uint64_t num_live_blocks = 0;
+  // 1 - peak allocated / peak reserved (GMLake's definition, at peaks).
+  double fragmentation() const {
+    return peak_reserved_bytes == 0
+               ? 0.0
+               : 1.0 - static_cast<double>(peak_allocated_bytes) / peak_reserved_bytes;
+  }
+};
+
+class CachingPool {
+ public:
+  static constexpr std::size_t kMinBlock = 512;
+
+  // The backend must outlive the pool.
+  CachingPool(DeviceBackend& device, PoolOptions options = {});
+  ~CachingPool();  // releases every segment; live allocations become invalid
+  CachingPool(const CachingPool&) = delete;
+  CachingPool& operator=(const CachingPool&) = delete;
+
+  // At least `bytes` (0 gives a valid unique pointer of kMinBlock) usable on
+  // `stream`, aligned to kMinBlock. Throws OutOfMemoryError.
+  void* allocate(std::size_t bytes, StreamId stream = 0);
+  // Throws ValueError for pointers this pool did not return (or freed twice).
+  void deallocate(void* ptr);
+  // `ptr` is also used on `stream`: its memory is reused only after work
+  // queued there before deallocate() completes.
+  void record_stream(void* ptr, StreamId stream);
+  // Gives every cached segment (plain) and unmapped-able free tail
+  // (expandable) back to the device.
+  void release_cached();
+
+  // Size of the block behind a live pointer.
+  std::size_t block_size(const void* ptr) const;
+  bool owns(const void* ptr) const;
+
+  PoolStats stats() const;
+  void reset_peak_stats();
+  std::string summary() const;      // human-readable, several lines
+  std::string stats_json() const;   // one JSON object
+  const PoolOptions& options() const { return options_; }
+
+  // Checks every invariant in the header; on failure returns false and, if
+  // `why` is given, says which.
+  bool is_valid(std::string* why = nullptr) const;
+
+  // Appends every operation to `recorder` (nullptr stops recording).
+  void set_recorder(AllocTraceRecorder* recorder);
+
+ private:
+  struct Impl;
+  PoolOptions options_;
+  std::unique_ptr<Impl> impl_;
+  mutable std::mutex mu_;
+};
+
+}  // namespace mapp
