@@ -13,7 +13,7 @@ import os as _os
 
 import torch as _torch  # noqa: F401  (loads libtorch before our library)
 
-from . import _C, models, parallel_state, tensor_parallel  # noqa: E402
+from . import _C, memory, models, parallel_state, tensor_parallel  # noqa: E402
 from ._C import RankGrid
 from .parallel_state import (
     ParallelState,
@@ -36,7 +36,9 @@ __all__ = [
     "destroy_model_parallel",
     "get_parallel_state",
     "initialize_model_parallel",
+    "memory",
     "model_parallel_is_initialized",
+    "memory",
     "models",
     "parallel_state",
     "tensor_parallel",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import torch
 
+from . import memory
 from . import parallel_state as ps
 from .data import TextDataset, default_corpus, padded_vocab_size
 from .models import GPTConfig, GPTModel
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", default=None, help="text file (default: bundled KJV excerpt)")
     g.add_argument("--output-dir", default="runs/gpt", help="loss curve CSV/PNG and summary")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    g = p.add_argument_group("memory")
+    g.add_argument("--memory-pool", action="store_true",
+                   help="serve tensor memory from megatronapp's caching pool; prints its summary")
+    g.add_argument("--memory-pool-policy", choices=["ours", "torch-like"], default="ours")
+    g.add_argument("--record-alloc-trace", default=None, metavar="FILE",
+                   help="record the CPU pool's allocation trace ('{rank}' in FILE is replaced; "
+                        "otherwise .rankN is appended when there are several ranks)")
     return p
 
 
@@ -105,10 +113,26 @@ def _validate(args, world: int) -> None:
             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
 
 
+def _memory_device(args) -> str:
+    backend = args.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 def train(args) -> dict:
     """Runs the whole job; returns the summary (also written as summary.json)."""
+    if args.record_alloc_trace and not args.memory_pool:
+        raise SystemExit("--record-alloc-trace needs --memory-pool")
+    mem_device = _memory_device(args)
+    if args.memory_pool:  # before anything allocates (CUDA cannot swap later)
+        memory.use_pool(mem_device, policy=args.memory_pool_policy)
     _init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.record_alloc_trace:
+        if mem_device != "cpu":
+            raise SystemExit("--record-alloc-trace records the CPU pool; run on CPU (gloo)")
+        memory.start_recording()
     _validate(args, world)
     state = ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -186,6 +210,14 @@ def train(args) -> dict:
     with torch.no_grad():
         valid = [batch_loss("valid", i, backward=False) for i in range(args.eval_iters)]
     model.train()
+    if args.record_alloc_trace:
+        path = args.record_alloc_trace
+        path = path.replace("{rank}", str(rank)) if "{rank}" in path else (
+            f"{path}.rank{rank}" if world > 1 else path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        n = memory.stop_recording(path)
+        if is_logger:
+            print(f"[megatronapp] allocation trace: {n} events -> {path}", flush=True)
     summary = {
         "world_size": world, "tp": state.tp_size, "dp": state.dp_size, "pp": state.pp_size,
         "parameters": cfg.num_parameters(), "iterations": args.train_iters,
@@ -196,12 +228,16 @@ def train(args) -> dict:
         "tokens_per_s": tokens_per_iter * args.train_iters / wall if wall > 0 else 0.0,
         "losses": [h["loss"] for h in history],
     }
+    if args.memory_pool:
+        summary["memory"] = memory.stats(mem_device)
     if is_logger:
         _write_outputs(args.output_dir, history, summary)
         print(f"[megatronapp] done: {args.train_iters} iterations in {wall:.1f}s, loss "
               f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (validation "
               f"{summary['valid_loss']:.3f}), {summary['tokens_per_s']:,.0f} tokens/s; "
               f"loss curve in {args.output_dir}/loss.csv and loss.png", flush=True)
+        if args.memory_pool:
+            print(memory.summary(mem_device), end="", flush=True)
     ps.destroy_model_parallel()
     return summary
 

@@ -104,6 +104,7 @@ struct CachingPool::Impl {
   std::vector<Block*> spare_blocks;
   PoolStats st;
   AllocTraceRecorder* recorder = nullptr;
+  const char* grow_failure = "";  // why the last grow() returned nullptr
 
   Impl(DeviceBackend& d, const PoolOptions& o) : dev(d), opt(o), info(d.query()) {
     page = info.granularity ? info.granularity : (std::size_t(2) << 20);
@@ -325,7 +326,10 @@ struct CachingPool::Impl {
     else seg_size = round_up(size, opt.round_large);
     seg_size = std::max(seg_size, size);
     void* p = dev.allocate(seg_size);
-    if (p == nullptr) return nullptr;
+    if (p == nullptr) {
+      grow_failure = "the device is out of memory";
+      return nullptr;
+    }
     add_reserved(seg_size);
     Segment* s = new_segment(ix, reinterpret_cast<std::uintptr_t>(p), seg_size, false);
     return append_free_block(s, s->base, seg_size);
@@ -336,7 +340,10 @@ struct CachingPool::Impl {
     if (s == nullptr) {
       const std::size_t va = round_up(opt.va_bytes ? opt.va_bytes : info.total_bytes, page);
       void* base = dev.reserve(va);
-      if (base == nullptr) return nullptr;
+      if (base == nullptr) {
+        grow_failure = "reserving the expandable segment's address range failed";
+        return nullptr;
+      }
       s = new_segment(ix, reinterpret_cast<std::uintptr_t>(base), 0, true);
       s->va = va;
       ix.expandable = s;
@@ -346,8 +353,14 @@ struct CachingPool::Impl {
     if (tail && tail->size >= size) return tail;  // the bounded bin scan missed it
     const std::size_t have = tail ? tail->size : 0;
     const std::size_t need = round_up(size - have, page);
-    if (s->size + need > s->va) return nullptr;
-    if (!dev.map(reinterpret_cast<void*>(s->base + s->size), need)) return nullptr;
+    if (s->size + need > s->va) {
+      grow_failure = "the expandable segment's address range (va_bytes) is exhausted";
+      return nullptr;
+    }
+    if (!dev.map(reinterpret_cast<void*>(s->base + s->size), need)) {
+      grow_failure = "the device is out of memory";
+      return nullptr;
+    }
     add_reserved(need);
     const std::uintptr_t at = s->base + s->size;
     s->size += need;
@@ -409,7 +422,11 @@ struct CachingPool::Impl {
         best_avail = avail;
       }
     }
-    if (best == nullptr || !dev.map(reinterpret_cast<void*>(best->addr), best->size)) return nullptr;
+    if (best == nullptr) return nullptr;
+    if (!dev.map(reinterpret_cast<void*>(best->addr), best->size)) {
+      grow_failure = "the device is out of memory";
+      return nullptr;
+    }
     add_reserved(best->size);
     s->mapped += best->size;
     return free_block(best);
@@ -485,7 +502,7 @@ struct CachingPool::Impl {
     const DeviceInfo now = dev.query();
     std::ostringstream os;
     os << "out of memory: pool '" << opt.name << "' could not allocate " << human_bytes(bytes)
-       << " on stream " << stream << " (" << dev.name() << " capacity "
+       << " on stream " << stream << ": " << grow_failure << " (" << dev.name() << " capacity "
        << human_bytes(now.total_bytes) << ", free " << human_bytes(now.free_bytes)
        << "; pool reserved " << human_bytes(st.reserved_bytes) << ", allocated "
        << human_bytes(st.allocated_bytes) << " after releasing its cache). Reduce the batch "

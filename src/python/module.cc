@@ -8,7 +8,10 @@
 #include "mapp/common/check.h"
 #include "mapp/common/log.h"
 #include "mapp/common/tunables.h"
+#include "mapp/memory/pool.h"
+#include "mapp/memory/trace.h"
 #include "mapp/topology/rank_grid.h"
+#include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
 
 namespace py = pybind11;
@@ -82,6 +85,91 @@ void register_topology(py::module_& m) {
       .def("__repr__", &mapp::RankGrid::describe);
 }
 
+mapp::PoolOptions policy_options(const std::string& policy, bool expandable, double gc) {
+  mapp::PoolOptions o;
+  if (policy == "torch-like") {
+    o = mapp::PoolOptions::torch_like();
+  } else if (policy == "ours") {
+    o.expandable_segments = expandable;
+    o.name = expandable ? "ours" : "ours-plain";
+  } else {
+    throw mapp::ValueError("unknown pool policy '" + policy + "'; use 'ours' or 'torch-like'");
+  }
+  o.gc_threshold = gc;
+  return o;
+}
+
+std::string replay_json(const std::string& path, const std::string& policy, bool expandable,
+                        std::size_t capacity_bytes) {
+  mapp::PoolOptions o = policy_options(policy, expandable, 0.0);  // bad policy: fail first
+  const mapp::AllocTrace trace = mapp::AllocTrace::load(path);
+  mapp::HostDevice::Options d;
+  d.capacity_bytes = capacity_bytes;
+  mapp::HostDevice device(d);
+  o.va_bytes = capacity_bytes;
+  const mapp::ReplayResult r = mapp::replay(trace, device, o);
+  const mapp::PoolStats& st = r.stats;
+  return "{\"policy\":\"" + o.name + "\",\"operations\":" + std::to_string(r.operations) +
+         ",\"ns_per_op\":" + std::to_string(r.ns_per_op()) +
+         ",\"peak_allocated_bytes\":" + std::to_string(st.peak_allocated_bytes) +
+         ",\"peak_reserved_bytes\":" + std::to_string(st.peak_reserved_bytes) +
+         ",\"utilization\":" + std::to_string(r.utilization()) +
+         ",\"fragmentation\":" + std::to_string(st.fragmentation()) +
+         ",\"num_device_allocs\":" + std::to_string(st.num_device_allocs) +
+         ",\"num_oom_retries\":" + std::to_string(st.num_oom_retries) + "}";
+}
+
+void register_memory(py::module_& m) {
+  py::register_exception<mapp::OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
+  m.def("memory_install_cpu_pool", [](const std::string& policy, bool expandable, double gc) {
+    mapp::torch_ext::install_cpu_pool(policy_options(policy, expandable, gc));
+  }, py::arg("policy") = "ours", py::arg("expandable_segments") = true,
+     py::arg("gc_threshold") = 0.0);
+  m.def("memory_restore_cpu_allocator", &mapp::torch_ext::restore_cpu_allocator);
+  m.def("memory_cpu_pool_installed", [] { return mapp::torch_ext::cpu_pool() != nullptr; });
+  auto pool = [] {
+    mapp::CachingPool* p = mapp::torch_ext::cpu_pool();
+    if (p == nullptr) {
+      throw mapp::StateError("the CPU memory pool is not installed; call "
+                             "megatronapp.memory.use_pool('cpu') first");
+    }
+    return p;
+  };
+  m.def("memory_cpu_stats_json", [pool] { return pool()->stats_json(); });
+  m.def("memory_cpu_summary", [pool] { return pool()->summary(); });
+  m.def("memory_cpu_release_cached", [pool] { pool()->release_cached(); });
+  m.def("memory_cpu_reset_peak_stats", [pool] { pool()->reset_peak_stats(); });
+  m.def("memory_cpu_is_valid", [pool] {
+    std::string why;
+    const bool ok = pool()->is_valid(&why);
+    return py::make_tuple(ok, why);
+  });
+  m.def("memory_start_cpu_trace", &mapp::torch_ext::start_cpu_trace);
+  m.def("memory_stop_cpu_trace", &mapp::torch_ext::stop_cpu_trace, py::arg("path"));
+  m.def("memory_replay", &replay_json, py::arg("path"), py::arg("policy") = "ours",
+        py::arg("expandable_segments") = true, py::arg("capacity_bytes") = std::size_t(1) << 40,
+        py::call_guard<py::gil_scoped_release>());
+#ifdef MAPP_WITH_CUDA_KERNELS
+  m.def("memory_configure_cuda", [](const std::string& policy, bool expandable, double gc) {
+    mapp::PoolOptions o = policy_options(policy, expandable, gc);
+    o.name = "cuda";
+    mapp::torch_ext::configure_cuda_pools(o);
+  });
+  m.def("memory_cuda_stats_json", [](int device) -> py::object {
+    mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device);
+    if (p == nullptr) return py::none();
+    return py::str(p->stats_json());
+  });
+  m.def("memory_cuda_summary", [](int device) -> std::string {
+    mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device);
+    return p ? p->summary() : std::string("no CUDA pool on this device yet\n");
+  });
+  m.def("memory_cuda_release_cached", [](int device) {
+    if (mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device)) p->release_cached();
+  });
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -89,4 +177,5 @@ PYBIND11_MODULE(_C, m) {
             "torch.ops.mapp.*";
   register_common(m);
   register_topology(m);
+  register_memory(m);
 }

@@ -1,0 +1,147 @@
+"""The dynamic memory pool as PyTorch's allocator, its statistics and traces.
+
+    import megatronapp as mapp
+    mapp.memory.use_pool("cpu")        # CPU tensors come from the pool from now on
+    ...train...
+    print(mapp.memory.summary())
+    mapp.memory.stats()["fragmentation"]
+
+Policies: ``"ours"`` (default; expandable segments, exact splitting, see
+docs/memory.md) or ``"torch-like"`` (PyTorch's caching-allocator policy
+reproduced on the same machinery, for comparisons).
+
+CUDA: ``use_pool("cuda")`` installs the pool through
+``torch.cuda.memory.CUDAPluggableAllocator``. It must run before the first CUDA
+allocation of the process (torch cannot swap an allocator in use), and
+afterwards ``torch.cuda.memory_stats()`` is unavailable — use :func:`stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+
+from . import _C
+
+__all__ = ["use_pool", "restore_default", "stats", "summary", "release_cached",
+           "record_trace", "start_recording", "stop_recording", "replay", "is_installed"]
+
+
+def _library_path() -> str:
+    here = os.path.dirname(_C.__file__)
+    return os.path.join(here, "lib", "libmegatronapp_torch.so")
+
+
+def use_pool(device: str = "cpu", *, policy: str = "ours", expandable_segments: bool = True,
+             gc_threshold: float = 0.0) -> None:
+    """Serves `device`'s tensor allocations from the pool (process-wide)."""
+    if not 0.0 <= gc_threshold <= 1.0:
+        raise ValueError(f"gc_threshold must lie in [0, 1], got {gc_threshold}")
+    if device == "cpu":
+        _C.memory_install_cpu_pool(policy, expandable_segments, gc_threshold)
+    elif device == "cuda":
+        if not _C.built_with_cuda():
+            raise RuntimeError("megatronapp was built without CUDA; rebuild with the CUDA toolkit")
+        _C.memory_configure_cuda(policy, expandable_segments, gc_threshold)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(
+            _library_path(), "mapp_cuda_malloc", "mapp_cuda_free")
+        try:
+            torch.cuda.memory.change_current_allocator(alloc)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "use_pool('cuda') must be called before the first CUDA allocation of the "
+                f"process (torch: {e})") from e
+    else:
+        raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+
+
+def restore_default(device: str = "cpu") -> None:
+    """Puts torch's CPU allocator back (tensors from the pool stay valid)."""
+    if device != "cpu":
+        raise ValueError("only the CPU allocator can be restored (CUDA's swap is permanent)")
+    _C.memory_restore_cpu_allocator()
+
+
+def is_installed(device: str = "cpu") -> bool:
+    if device == "cpu":
+        return _C.memory_cpu_pool_installed()
+    return _C.built_with_cuda() and _C.memory_cuda_stats_json(torch.cuda.current_device()) is not None
+
+
+def stats(device: str = "cpu") -> dict:
+    """allocated / active / reserved bytes with peaks, fragmentation
+    (1 - peak allocated / peak reserved), alloc/free counts, cache hits,
+    device allocations, OOM retries and OOMs."""
+    if device == "cpu":
+        return json.loads(_C.memory_cpu_stats_json())
+    raw = _C.memory_cuda_stats_json(torch.cuda.current_device())
+    if raw is None:
+        raise RuntimeError("no CUDA pool yet: call use_pool('cuda') and allocate first")
+    return json.loads(raw)
+
+
+def summary(device: str = "cpu") -> str:
+    if device == "cpu":
+        return _C.memory_cpu_summary()
+    return _C.memory_cuda_summary(torch.cuda.current_device())
+
+
+def release_cached(device: str = "cpu") -> None:
+    """Gives cached memory back to the system (like torch.cuda.empty_cache)."""
+    if device == "cpu":
+        _C.memory_cpu_release_cached()
+    else:
+        _C.memory_cuda_release_cached(torch.cuda.current_device())
+
+
+def start_recording() -> None:
+    """Records every CPU-pool operation from now on (see stop_recording)."""
+    _C.memory_start_cpu_trace()
+
+
+def stop_recording(path: str) -> int:
+    """Stops recording and writes the allocation trace; returns its event count."""
+    return _C.memory_stop_cpu_trace(path)
+
+
+@contextlib.contextmanager
+def record_trace(path: str):
+    start_recording()
+    try:
+        yield
+    finally:
+        stop_recording(path)
+
+
+def replay(path: str, policy: str = "ours", *, expandable_segments: bool = True,
+           capacity_bytes: int = 1 << 40) -> dict:
+    """Replays a recorded trace through a fresh pool: peak reserved,
+    utilization, fragmentation and time per operation."""
+    return json.loads(_C.memory_replay(path, policy, expandable_segments, capacity_bytes))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megatronapp.memory",
+                                description="Replay allocation traces through pool policies.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("replay", help="compare policies on recorded traces")
+    r.add_argument("traces", nargs="+")
+    args = p.parse_args(argv)
+    policies = [("torch-like", True), ("ours", False), ("ours", True)]
+    print(f"{'trace':<28} {'policy':<12} {'ops':>9} {'peak alloc MiB':>15} "
+          f"{'peak reserved MiB':>18} {'utilization':>12} {'ns/op':>7}")
+    for path in args.traces:
+        for policy, exp in policies:
+            res = replay(path, policy, expandable_segments=exp)
+            print(f"{os.path.basename(path):<28} {res['policy']:<12} {res['operations']:>9} "
+                  f"{res['peak_allocated_bytes'] / 2**20:>15.1f} "
+                  f"{res['peak_reserved_bytes'] / 2**20:>18.1f} "
+                  f"{100 * res['utilization']:>11.1f}% {res['ns_per_op']:>7.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+// CPU allocator glue: the pool behind torch's CPU tensors.
+#include "mapp/torch/memory.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "mapp/common/check.h"
+#include "mapp/memory/trace.h"
+
+namespace mapp::torch_ext {
+namespace {
+
+// Leaked on purpose: tensors served by the pool may be freed during static
+// destruction, after any destructor of ours would have run.
+struct CpuPoolState {
+  HostDevice device{[] {
+    HostDevice::Options o;
+    // Physical memory: also the address range each expandable segment reserves.
+    o.capacity_bytes = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) *
+                       static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    return o;
+  }()};
+  std::unique_ptr<CachingPool> pool;
+  c10::Allocator* previous = nullptr;
+  std::unique_ptr<AllocTraceRecorder> recorder;
+  std::mutex mu;
+};
+
+CpuPoolState& state() {
+  static CpuPoolState* s = new CpuPoolState;
+  return *s;
+}
+
+std::atomic<CachingPool*> g_pool{nullptr};
+
+void delete_from_pool(void* ptr) {
+  if (ptr != nullptr) g_pool.load(std::memory_order_acquire)->deallocate(ptr);
+}
+
+class PoolCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(std::size_t n) override {
+    if (n == 0) return {nullptr, nullptr, &delete_from_pool, c10::Device(c10::DeviceType::CPU)};
+    void* p = g_pool.load(std::memory_order_acquire)->allocate(n);
+    return {p, p, &delete_from_pool, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_from_pool; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+PoolCpuAllocator g_allocator;
+
+// Priorities: torch registers its CPU allocator at 0; ours takes over at 1 and
+// a restore writes the previous one back at 2 (SetAllocator needs >=).
+constexpr std::uint8_t kInstallPriority = 1;
+constexpr std::uint8_t kRestorePriority = 2;
+
+}  // namespace
+
+CachingPool& install_cpu_pool(const PoolOptions& options) {
+  CpuPoolState& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.pool) {
+    const PoolOptions& have = s.pool->options();
+    MAPP_CHECK(have.expandable_segments == options.expandable_segments &&
+                   have.gc_threshold == options.gc_threshold,
+               "the CPU memory pool is already installed with different options "
+               "(expandable_segments=", have.expandable_segments, ", gc_threshold=",
+               have.gc_threshold, "); it can be installed once per process");
+  } else {
+    s.pool = std::make_unique<CachingPool>(s.device, options);
+    g_pool.store(s.pool.get(), std::memory_order_release);
+  }
+  c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  if (current != &g_allocator) {
+    s.previous = current;
+    c10::SetAllocator(c10::DeviceType::CPU, &g_allocator, kInstallPriority);
+    MAPP_CHECK_STATE(c10::GetAllocator(c10::DeviceType::CPU) == &g_allocator,
+                     "torch refused the CPU allocator swap (another allocator was "
+                     "installed with a higher priority)");
+  }
+  return *s.pool;
+}
+
+CachingPool* cpu_pool() { return g_pool.load(std::memory_order_acquire); }
+
+void restore_cpu_allocator() {
+  CpuPoolState& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.previous != nullptr && c10::GetAllocator(c10::DeviceType::CPU) == &g_allocator) {
+    c10::SetAllocator(c10::DeviceType::CPU, s.previous, kRestorePriority);
+  }
+}
+
+void start_cpu_trace() {
+  CpuPoolState& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  MAPP_CHECK_STATE(s.pool != nullptr, "start the CPU memory pool (use_pool) before recording");
+  s.recorder = std::make_unique<AllocTraceRecorder>();
+  s.pool->set_recorder(s.recorder.get());
+}
+
+std::size_t stop_cpu_trace(const std::string& path) {
+  CpuPoolState& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  MAPP_CHECK_STATE(s.recorder != nullptr, "no allocation trace is being recorded");
+  s.pool->set_recorder(nullptr);
+  s.recorder->trace().save(path);
+  const std::size_t n = s.recorder->trace().events.size();
+  s.recorder.reset();
+  return n;
+}
+
+}  // namespace mapp::torch_ext
