@@ -19,7 +19,7 @@ DEMO_ITERS   ?= 300
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test lint test-cpp test-python bench gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory gpu-check clean distclean help
 all: test
 
 help:
@@ -67,6 +67,9 @@ test-python:
 	$(PY) -m pytest -q tests/python tests/gpu
 
 # ---- more -----------------------------------------------------------------
+bench-memory: build
+	$(PY) benchmarks/memory_pool.py
+
 bench: build
 	$(VENV)/bin/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29520 \
 	  benchmarks/tp_mlp_vs_dtensor.py

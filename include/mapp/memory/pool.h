@@ -150,7 +150,7 @@ class CachingPool {
   struct Impl;
   PoolOptions options_;
   std::unique_ptr<Impl> impl_;
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // guards impl_; held only for O(1) bookkeeping
 };
 
 }  // namespace mapp

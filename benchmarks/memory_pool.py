@@ -1,0 +1,88 @@
+"""Memory-pool benchmarks, side by side in one run (make bench-memory).
+
+1. Cache-hit alloc+free latency: ours vs glibc malloc vs torch's default CPU
+   allocator (the C++ program build/py/benchmarks/pool_latency).
+2. Allocation traces recorded from real GPT training runs on 4 CPU ranks
+   (with --memory-pool --record-alloc-trace), replayed through
+   PyTorch's caching-allocator policy ("torch-like", reproduced on our
+   machinery), our policy on plain segments, and ours with expandable
+   segments: peak reserved, utilization = peak allocated / peak reserved, and
+   time per operation.
+
+    python benchmarks/memory_pool.py [--skip-record]
+
+Traces of rank 0 are kept in benchmarks/traces/ (the GPU script replays them).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import megatronapp as mapp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACES = os.path.join(ROOT, "benchmarks", "traces")
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "256", "--micro-batch-size", "8", "--global-batch-size", "32",
+         "--train-iters", "6", "--eval-iters", "1", "--no-progress"]
+CONFIGS = {
+    "gpt_tp2_dp2": ["--tensor-model-parallel-size", "2"],
+    "gpt_tp2_dp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "gpt_tp4": ["--tensor-model-parallel-size", "4"],
+    "gpt_dp4": ["--tensor-model-parallel-size", "1"],
+}
+
+
+def record(name, flags, port):
+    out = os.path.join(TRACES, f"{name}.rank{{rank}}.trace")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *flags,
+           "--memory-pool", "--record-alloc-trace", out, "--output-dir",
+           os.path.join(ROOT, "runs", "traces", name)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for r in (1, 2, 3):  # keep rank 0's trace only
+        os.remove(out.replace("{rank}", str(r)))
+    return out.replace("{rank}", "0")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--skip-record", action="store_true", help="replay the existing traces")
+    args = p.parse_args()
+    latency = os.path.join(ROOT, "build", "py", "benchmarks", "pool_latency")
+    if os.path.exists(latency):
+        subprocess.run([latency], check=True)
+    else:
+        print(f"({latency} not built: run `make build` first for the latency table)")
+    os.makedirs(TRACES, exist_ok=True)
+    traces = []
+    for i, (name, flags) in enumerate(CONFIGS.items()):
+        path = os.path.join(TRACES, f"{name}.rank0.trace")
+        if not args.skip_record or not os.path.exists(path):
+            print(f"recording {name} ...", flush=True)
+            path = record(name, flags, 29540 + i)
+        traces.append((name, path))
+    rows = []
+    for name, path in traces:
+        res = {label: mapp.memory.replay(path, pol, expandable_segments=exp)
+               for label, pol, exp in (("torch-like", "torch-like", False),
+                                       ("ours-plain", "ours", False), ("ours", "ours", True))}
+        rows.append((name, res))
+    print("\nreplay of GPT allocation traces (rank 0), same requests through each policy")
+    print(f"{'trace':<16} {'ops':>7} {'peak alloc':>11} | {'reserved: torch-like':>21} "
+          f"{'ours-plain':>11} {'ours':>9} | {'util: torch-like':>17} {'ours-plain':>11} "
+          f"{'ours':>7} | {'ns/op torch-like':>16} {'ours':>6}")
+    mib = 2 ** 20
+    for name, res in rows:
+        t, o, e = res["torch-like"], res["ours-plain"], res["ours"]
+        print(f"{name:<16} {t['operations']:>7} {t['peak_allocated_bytes'] / mib:>9.1f}Mi | "
+              f"{t['peak_reserved_bytes'] / mib:>19.1f}Mi {o['peak_reserved_bytes'] / mib:>9.1f}Mi "
+              f"{e['peak_reserved_bytes'] / mib:>7.1f}Mi | {100 * t['utilization']:>16.1f}% "
+              f"{100 * o['utilization']:>10.1f}% {100 * e['utilization']:>6.1f}% | "
+              f"{t['ns_per_op']:>16.0f} {e['ns_per_op']:>6.0f}")
+
+
+if __name__ == "__main__":
+    main()
