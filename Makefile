@@ -78,6 +78,7 @@ bench: build
 gpu-check: build
 	$(PY) -m pytest -q tests/gpu
 	$(PY) benchmarks/kernels_gpu.py
+	$(PY) benchmarks/memory_gpu.py
 
 clean:
 	rm -rf build runs

@@ -28,6 +28,7 @@ import torch
 from . import _C
 
 __all__ = ["use_pool", "restore_default", "stats", "summary", "release_cached",
+           "staging_buffer", "staging_stats",
            "record_trace", "start_recording", "stop_recording", "replay", "is_installed"]
 
 
@@ -96,6 +97,17 @@ def release_cached(device: str = "cpu") -> None:
         _C.memory_cpu_release_cached()
     else:
         _C.memory_cuda_release_cached(torch.cuda.current_device())
+
+
+def staging_buffer(shape, dtype=torch.float32) -> torch.Tensor:
+    """An uninitialized CPU tensor for host staging (communication, offload),
+    from a dedicated pool: page-locked when a CUDA device is present, so
+    ``.to('cuda', non_blocking=True)`` is a true asynchronous copy."""
+    return torch.ops.mapp.empty_staging(list(shape), dtype)
+
+
+def staging_stats() -> dict:
+    return json.loads(_C.memory_staging_stats_json())
 
 
 def start_recording() -> None:

@@ -144,6 +144,15 @@ void register_memory(py::module_& m) {
     const bool ok = pool()->is_valid(&why);
     return py::make_tuple(ok, why);
   });
+  m.def("memory_staging_stats_json", [] { return mapp::torch_ext::staging_pool().stats_json(); });
+  m.def("memory_load_trace", [](const std::string& path) {
+    const mapp::AllocTrace t = mapp::AllocTrace::load(path);
+    py::list out;
+    for (const auto& e : t.events) {
+      out.append(py::make_tuple(static_cast<int>(e.op), e.id, e.size, e.stream));
+    }
+    return out;
+  }, py::arg("path"), "[(op, id, size, stream)]: op 1 alloc, 2 free, 3 record_stream, 4 release");
   m.def("memory_start_cpu_trace", &mapp::torch_ext::start_cpu_trace);
   m.def("memory_stop_cpu_trace", &mapp::torch_ext::stop_cpu_trace, py::arg("path"));
   m.def("memory_replay", &replay_json, py::arg("path"), py::arg("policy") = "ours",
@@ -163,6 +172,9 @@ void register_memory(py::module_& m) {
   m.def("memory_cuda_summary", [](int device) -> std::string {
     mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device);
     return p ? p->summary() : std::string("no CUDA pool on this device yet\n");
+  });
+  m.def("memory_cuda_reset_peak", [](int device) {
+    if (mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device)) p->reset_peak_stats();
   });
   m.def("memory_cuda_release_cached", [](int device) {
     if (mapp::CachingPool* p = mapp::torch_ext::cuda_pool(device)) p->release_cached();

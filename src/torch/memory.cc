@@ -1,8 +1,15 @@
 // CPU allocator glue: the pool behind torch's CPU tensors.
 #include "mapp/torch/memory.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/library.h>
+#ifdef MAPP_WITH_CUDA_KERNELS
+#include <cuda_runtime.h>
+
+#include "mapp/memory/cuda_device.h"
+#endif
 
 #include <unistd.h>
 
@@ -119,4 +126,61 @@ std::size_t stop_cpu_trace(const std::string& path) {
   return n;
 }
 
+namespace {
+
+// Host staging buffers (pipeline / data-parallel communication, offload):
+// page-locked when a CUDA device is present, so copies to and from the GPU are
+// asynchronous DMA; plain host memory otherwise. Leaked like the CPU pool.
+struct StagingPool {
+  std::unique_ptr<DeviceBackend> device;
+  std::unique_ptr<CachingPool> pool;
+  StagingPool() {
+    const std::size_t phys = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) *
+                             static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    PoolOptions o;
+#ifdef MAPP_WITH_CUDA_KERNELS
+    int n = 0;
+    if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+      device = std::make_unique<PinnedHostDevice>(phys / 2);
+      o.name = "staging-pinned";
+    }
+    (void)cudaGetLastError();  // no device: clear the error state
+#endif
+    if (!device) {
+      HostDevice::Options h;
+      h.capacity_bytes = phys;
+      device = std::make_unique<HostDevice>(h);
+      o.expandable_segments = true;
+      o.name = "staging-host";
+    }
+    pool = std::make_unique<CachingPool>(*device, o);
+  }
+};
+
+StagingPool& staging() {
+  static StagingPool* s = new StagingPool;
+  return *s;
+}
+
+}  // namespace
+
+CachingPool& staging_pool() { return *staging().pool; }
+
+at::Tensor empty_staging(at::IntArrayRef size, at::ScalarType dtype) {
+  std::int64_t numel = 1;
+  for (std::int64_t d : size) {
+    MAPP_CHECK(d >= 0, "empty_staging: negative dimension ", d, " in ", size);
+    numel *= d;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  CachingPool& pool = staging_pool();
+  void* p = pool.allocate(bytes);
+  return at::from_blob(p, size, [&pool](void* q) { pool.deallocate(q); },
+                       at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
 }  // namespace mapp::torch_ext
+
+TORCH_LIBRARY_FRAGMENT(mapp, m) {
+  m.def("empty_staging(int[] size, ScalarType dtype) -> Tensor", &mapp::torch_ext::empty_staging);
+}

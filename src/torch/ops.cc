@@ -66,7 +66,7 @@ at::Tensor vocab_ce_local_stats_cpu_checked(const at::Tensor& logits, const at::
 
 std::vector<std::string> registered_ops() {
   return {"mapp::all_reduce_", "mapp::all_gather", "mapp::reduce_scatter",
-          "mapp::group_size", "mapp::vocab_ce_local_stats"};
+          "mapp::group_size", "mapp::vocab_ce_local_stats", "mapp::empty_staging"};
 }
 
 bool built_with_cuda() {

@@ -66,3 +66,23 @@ def test_vocab_parallel_cross_entropy_on_cuda_matches_torch():
     (loss * g).sum().backward()
     (ref * g).sum().backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_pool_serves_torch_and_reuses_memory():
+    """In a fresh process (the allocator swap must precede any CUDA allocation)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, megatronapp as mapp\n"
+        "mapp.memory.use_pool('cuda')\n"
+        "a = torch.randn(1024, 1024, device='cuda'); b = a @ a; s = float(b.sum())\n"
+        "del a, b\n"
+        "c = torch.randn(1024, 1024, device='cuda'); torch.cuda.synchronize()\n"
+        "st = mapp.memory.stats('cuda')\n"
+        "assert st['num_cache_hits'] >= 1, st\n"
+        "assert st['allocated_bytes'] >= 4 * 1024 * 1024, st\n"
+        "print('ok', st['peak_reserved_bytes'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr

@@ -85,3 +85,18 @@ def test_pool_statistics_track_torch_allocations():
     assert res["after"]["num_allocs"] >= res["before"]["num_allocs"] + 2
     assert res["after"]["peak_allocated_bytes"] >= 2 * 4 * (1 << 20)
     assert res["released"]["reserved_bytes"] <= res["after"]["reserved_bytes"]
+
+
+def test_staging_buffers_come_from_their_own_pool():
+    import megatronapp as mapp
+    import torch
+
+    before = mapp.memory.staging_stats()["num_allocs"]
+    t = mapp.memory.staging_buffer((3, 5), torch.float64)
+    assert t.shape == (3, 5) and t.dtype == torch.float64 and t.device.type == "cpu"
+    t.fill_(1.5)
+    assert float(t.sum()) == 22.5
+    assert t.is_pinned() == torch.cuda.is_available()
+    assert mapp.memory.staging_stats()["num_allocs"] == before + 1
+    with pytest.raises(ValueError, match="negative dimension"):
+        mapp.memory.staging_buffer((-1,))

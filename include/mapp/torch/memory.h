@@ -9,6 +9,8 @@
 // megatronapp.memory.use_pool).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <string>
 
 #include "mapp/memory/pool.h"
@@ -27,6 +29,11 @@ void restore_cpu_allocator();
 void start_cpu_trace();
 // Stops recording and writes the trace to `path`; returns the event count.
 std::size_t stop_cpu_trace(const std::string& path);
+
+// Host staging buffers: a CPU tensor from a dedicated pool, page-locked when a
+// CUDA device is present (also torch.ops.mapp.empty_staging).
+CachingPool& staging_pool();
+at::Tensor empty_staging(at::IntArrayRef size, at::ScalarType dtype);
 
 #ifdef MAPP_WITH_CUDA_KERNELS
 // The CUDA pool of `device` (created on first use by mapp_cuda_malloc).
