@@ -13,7 +13,7 @@ import os as _os
 
 import torch as _torch  # noqa: F401  (loads libtorch before our library)
 
-from . import _C, memory, models, parallel_state, tensor_parallel  # noqa: E402
+from . import _C, comm, data_parallel, memory, models, optimizer, parallel_state, tensor_parallel  # noqa: E402,I001
 from ._C import RankGrid
 from .parallel_state import (
     ParallelState,
@@ -38,8 +38,11 @@ __all__ = [
     "initialize_model_parallel",
     "memory",
     "model_parallel_is_initialized",
+    "comm",
+    "data_parallel",
     "memory",
     "models",
+    "optimizer",
     "parallel_state",
     "tensor_parallel",
 ]

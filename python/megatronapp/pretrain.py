@@ -15,6 +15,7 @@ loss curve as CSV and PNG into --output-dir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -28,8 +29,11 @@ import torch
 
 from . import memory
 from . import parallel_state as ps
+from .comm import Compression
 from .data import TextDataset, default_corpus, padded_vocab_size
+from .data_parallel import DistributedDataParallel
 from .models import GPTConfig, GPTModel
+from .optimizer import DistributedOptimizer
 from .training import clip_grad_norm_, finalize_model_grads
 
 
@@ -42,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="must be 1 until pipeline parallelism lands")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard optimizer state over data-parallel ranks")
+    g.add_argument("--grad-compression", default="none", metavar="SPEC",
+                   help="none, bf16, fp16, int8[:block], onebit[:block], topk:<ratio>, "
+                        "powersgd:<rank>")
+    g.add_argument("--grad-compression-start-iter", type=int, default=0,
+                   help="run uncompressed for the first N iterations")
+    g.add_argument("--bucket-size-mb", type=float, default=25.0)
+    g.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="reduce gradients at the end of backward instead of during it")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
@@ -148,22 +163,35 @@ def train(args) -> dict:
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         ffn_hidden_size=args.ffn_hidden_size, sequence_parallel=args.sequence_parallel,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    model = GPTModel(cfg, parallel_state=state).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    gpt = GPTModel(cfg, parallel_state=state).to(device)
+    compression = None
+    if args.grad_compression != "none":
+        compression = Compression(args.grad_compression, args.grad_compression_start_iter)
+    model = DistributedDataParallel(
+        gpt, process_group=state.data_group, bucket_size_mb=args.bucket_size_mb,
+        compression=compression, overlap_grad_reduce=not args.no_overlap_grad_reduce)
+    decay = [p for p in gpt.parameters() if p.dim() >= 2]
+    no_decay = [p for p in gpt.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if args.use_distributed_optimizer:
+        opt = DistributedOptimizer(model, torch.optim.AdamW, groups, parallel_state=state,
+                                   lr=args.lr, betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
     def batch_loss(split: str, it: int, backward: bool) -> float:
         tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
         micro = dataset.microbatches(tokens, labels, args.micro_batch_size,
                                      state.dp_rank, state.dp_size)
         total = torch.zeros(1, dtype=torch.float64)
-        for x, y in micro:
-            loss = model(x.to(device), y.to(device)).mean() / len(micro)
-            if backward:
-                loss.backward()
+        for i, (x, y) in enumerate(micro):
+            # Accumulate locally; only the last microbatch's backward syncs.
+            sync = not backward or i == len(micro) - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = model(x.to(device), y.to(device)).mean() / len(micro)
+                if backward:
+                    loss.backward()
             total += loss.detach().double().cpu()
         torch.distributed.all_reduce(total, group=state.data_group)  # SUM; divide below
         return float(total) / state.dp_size
@@ -188,7 +216,10 @@ def train(args) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = batch_loss("train", it, backward=True)
         finalize_model_grads(model, state)
-        grad_norm = clip_grad_norm_(model.parameters(), args.clip_grad, state)
+        if args.use_distributed_optimizer:
+            grad_norm = opt.clip_grad_norm_(args.clip_grad)
+        else:
+            grad_norm = clip_grad_norm_(gpt.parameters(), args.clip_grad, state)
         opt.step()
         dt = time.perf_counter() - t0
         history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
@@ -230,6 +261,7 @@ def train(args) -> dict:
     }
     if args.memory_pool:
         summary["memory"] = memory.stats(mem_device)
+    summary["comm"] = model.comm_stats()["step"]
     if is_logger:
         _write_outputs(args.output_dir, history, summary)
         print(f"[megatronapp] done: {args.train_iters} iterations in {wall:.1f}s, loss "

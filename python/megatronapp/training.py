@@ -1,11 +1,11 @@
 """Pieces of a Megatron-style training step that need the topology.
 
 * :func:`finalize_model_grads` — after the last microbatch's backward: sums the
-  partial gradients of sequence-parallel parameters over the tensor group, then
-  averages every gradient over the data-parallel group (SUM then divide: Gloo's
-  AVG has a known silent bug). This is the plain data-parallel reduction; the
-  overlapped, bucketed, compressed engine lives in ``megatronapp.data_parallel``
-  once it lands.
+  partial gradients of sequence-parallel parameters over the tensor group and,
+  for a model not wrapped in megatronapp's DDP, averages every gradient over
+  the data-parallel group (SUM then divide: Gloo's AVG has a known silent
+  bug). Wrapped models get the overlapped, bucketed, compressed reduction of
+  ``megatronapp.data_parallel`` instead.
 * :func:`clip_grad_norm_` — global gradient norm over a tensor-parallel model,
   counting each replicated parameter once.
 """
@@ -50,16 +50,29 @@ def _coalesced_all_reduce_(tensors: list, group, scale: float | None = None) -> 
 
 @torch.no_grad()
 def finalize_model_grads(
-    model: torch.nn.Module, parallel_state: ParallelState | None = None
+    model: torch.nn.Module, parallel_state: Optional[ParallelState] = None
 ) -> None:
-    """Completes the gradients of one optimizer step (see module docstring)."""
+    """Completes the gradients of one optimizer step (see module docstring).
+
+    With :class:`~megatronapp.data_parallel.DistributedDataParallel` the
+    data-parallel part is DDP's (already done at the end of backward); in
+    ZeRO-1 mode the sequence-parallel sums happen on the shards, inside
+    DistributedOptimizer."""
+    from .data_parallel import DistributedDataParallel
+
     state = resolve_state(parallel_state)
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    if ddp is not None:
+        ddp.finish_grad_sync()
+        if ddp._zero:
+            return
+        model = ddp.module
     params = [p for p in model.parameters() if p.grad is not None]
     if state.tp_size > 1:
         sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
         if sp:
             _coalesced_all_reduce_(sp, state.tensor_group)
-    if state.dp_size > 1:
+    if ddp is None and state.dp_size > 1:
         _coalesced_all_reduce_([p.grad for p in params], state.data_group,
                                scale=1.0 / state.dp_size)
 

@@ -4,43 +4,16 @@
 // both Python (`group.group_name`) and C++ can hold without sharing pybind11
 // internals, and it survives torch.compile tracing as a plain string.
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <chrono>
-#include <exception>
-
+#include "c10d_util.h"
 #include "mapp/common/check.h"
-#include "mapp/common/tunables.h"
 #include "mapp/torch/ops.h"
 
 namespace mapp::torch_ext {
 namespace {
 
-c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
-  try {
-    return c10d::resolve_process_group(group_name);
-  } catch (const c10::Error&) {
-    MAPP_CHECK_STATE(false, "no process group is registered under the name '", group_name,
-                     "'; call torch.distributed.init_process_group (and "
-                     "megatronapp.initialize_model_parallel) first and pass group.group_name");
-  }
-}
-
-// Issues a collective and waits for it, turning a c10d failure or a timeout
-// into a BackendError that names the operation and the group (a hang must
-// become an error). `issue` returns the c10d Work.
-template <typename Issue>
-void run(const char* op, const std::string& group_name, Issue&& issue) {
-  const auto timeout = std::chrono::milliseconds(
-      1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
-  try {
-    c10::intrusive_ptr<c10d::Work> work = issue();
-    work->wait(timeout);
-  } catch (const std::exception& e) {
-    MAPP_FAIL_BACKEND(op, " on group '", group_name, "' failed: ", e.what());
-  }
-}
+using internal::resolve;
+using internal::run;
 
 // Gloo cannot reduce bfloat16; CPU half-precision tensors travel as float32.
 bool needs_upcast(const at::Tensor& t) {

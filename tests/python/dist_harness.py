@@ -9,6 +9,7 @@ with every failing rank's traceback. A rank that hangs is killed after
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -35,7 +36,11 @@ def _worker(fn, rank, world_size, port, args, queue):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
             world_size=world_size, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialize here: a tensor sent through the queue would share memory
+        # with this process, which exits right after.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -61,7 +66,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
     try:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
             if errors:
                 break  # one failure: the others may wait forever on it
     except Exception as e:  # queue.Empty: somebody hung

@@ -1,0 +1,156 @@
+"""Compressed collectives for users outside DDP (the same C++ code DDP uses).
+
+    import megatronapp as mapp
+    mapp.comm.all_reduce(grad, compression="int8")            # mean over WORLD
+    reducer = mapp.comm.CompressedAllReduce("onebit", numel=grad.numel())
+    reducer(grad)                                             # keeps error feedback
+
+Codec specs: ``none``, ``bf16``, ``fp16``, ``int8[:block]``, ``onebit[:block]``,
+``topk:<ratio>``, ``powersgd:<rank>`` (docs/data_parallel.md). Biased codecs
+(int8, onebit, topk, powersgd) need error feedback to converge: use a
+:class:`CompressedAllReduce` (or DDP), which keeps the residuals between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.mapp)
+
+__all__ = ["Compression", "parse_compression", "CompressedAllReduce", "all_reduce",
+           "reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A codec spec plus a warm-up: the first `start_iter` reductions run
+    uncompressed (as PowerSGD and 1-bit Adam recommend)."""
+
+    spec: str
+    start_iter: int = 0
+
+    def __post_init__(self):
+        # The C++ parser is the single source of truth; it lists valid specs.
+        torch.ops.mapp.codec_state_shapes(self.spec, 1, 1, [])
+        if self.start_iter < 0:
+            raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
+
+    @property
+    def kind(self) -> str:
+        return self.spec.split(":")[0]
+
+
+def parse_compression(value: None | str | Compression) -> Compression | None:
+    """None / "none" -> None; a spec string or a Compression -> Compression."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, Compression):
+        return value
+    if isinstance(value, str):
+        return Compression(value)
+    raise ValueError(f"compression must be a spec string or a Compression, got {value!r}")
+
+
+def _state_tensors(spec: str, numel: int, world: int, layout: list, device,
+                   seed: int = 0) -> list:
+    flat = torch.ops.mapp.codec_state_shapes(spec, numel, world, layout)
+    shapes, i = [], 0
+    while i < len(flat):
+        nd = flat[i]
+        shapes.append(tuple(flat[i + 1: i + 1 + nd]))
+        i += 1 + nd
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for k, shape in enumerate(shapes):
+        if spec.startswith("powersgd") and k > 0:  # Q: identical random start on every rank
+            out.append(torch.randn(shape, generator=gen).to(device))
+        else:
+            out.append(torch.zeros(shape, dtype=torch.float32, device=device))
+    return out
+
+
+class CompressedAllReduce:
+    """A compressed all-reduce of a fixed-size buffer with persistent state
+    (error-feedback residuals, PowerSGD's warm-started Q).
+
+    `layout` lists (offset, rows, cols) of the matrices inside the buffer
+    (PowerSGD compresses those and sends the rest uncompressed)."""
+
+    def __init__(self, compression, *, numel: int, group: dist.ProcessGroup | None = None,
+                 layout: list | None = None, device=None, seed: int = 0):
+        self.compression = parse_compression(compression)
+        self.group = group if group is not None else dist.group.WORLD
+        self.numel = numel
+        self.layout = [int(v) for triple in (layout or []) for v in triple]
+        self.calls = 0
+        spec = self.compression.spec if self.compression else "none"
+        self.state = _state_tensors(spec, numel, self.group.size(), self.layout,
+                                    device or "cpu", seed)
+
+    @property
+    def spec(self) -> str:
+        c = self.compression
+        if c is None or self.calls < c.start_iter:
+            return "none"
+        return c.spec
+
+    def _args(self, flat):
+        if flat.numel() != self.numel:
+            raise ValueError(f"buffer has {flat.numel()} elements, reducer was built for "
+                             f"{self.numel}")
+        spec = self.spec
+        state = self.state if spec != "none" else []
+        return spec, state
+
+    def __call__(self, tensor: torch.Tensor, *, average: bool = True) -> dict:
+        """Reduces `tensor` (contiguous) in place; returns {raw_bytes, sent_bytes}."""
+        flat = tensor.view(-1)
+        spec, state = self._args(flat)
+        raw, sent = torch.ops.mapp.compressed_all_reduce_(
+            flat, spec, state, self.layout if spec.startswith("powersgd") else [], average,
+            self.group.group_name)
+        self.calls += 1
+        return {"raw_bytes": raw, "sent_bytes": sent}
+
+    def start(self, tensor: torch.Tensor, *, average: bool = True) -> int:
+        """Asynchronous version: returns a handle for :func:`wait`."""
+        flat = tensor.view(-1)
+        spec, state = self._args(flat)
+        handle = torch.ops.mapp.compressed_all_reduce_async(
+            flat, spec, state, self.layout if spec.startswith("powersgd") else [], average,
+            self.group.group_name)
+        self.calls += 1
+        return handle
+
+
+def wait(handle: int) -> dict:
+    raw, sent = torch.ops.mapp.wait_comm(handle)
+    return {"raw_bytes": raw, "sent_bytes": sent}
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+               compression=None, *, average: bool = True) -> torch.Tensor:
+    """In-place (compressed) all-reduce; the mean over `group` (default WORLD)
+    unless average=False. Without a persistent :class:`CompressedAllReduce`,
+    error feedback starts from zero on every call."""
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce needs a contiguous tensor")
+    CompressedAllReduce(compression, numel=tensor.numel(), group=group,
+                        device=tensor.device)(tensor, average=average)
+    return tensor
+
+
+def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                   compression=None, *, average: bool = True) -> torch.Tensor:
+    """This rank's chunk of the (compressed) sum or mean of the flattened
+    tensor, padded to equal chunks (the padding reduces to zeros)."""
+    group = group if group is not None else dist.group.WORLD
+    c = parse_compression(compression)
+    spec = c.spec if c else "none"
+    flat = tensor.reshape(-1)
+    state = _state_tensors(spec, flat.numel(), group.size(), [], tensor.device)
+    return torch.ops.mapp.compressed_reduce_scatter(flat, spec, state, average, group.group_name)

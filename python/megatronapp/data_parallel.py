@@ -1,0 +1,305 @@
+"""Data-parallel engine: bucketed, overlapped, optionally compressed gradient sync.
+
+    model = mapp.data_parallel.DistributedDataParallel(model, compression="int8")
+    loss = model(x, y).mean(); loss.backward()   # grads averaged when backward returns
+    optimizer.step()
+
+How it works:
+
+* Gradients live in contiguous per-bucket buffers (one dtype per bucket,
+  about `bucket_size_mb` each, parameters in reverse registration order so the
+  first buckets fill first during backward); each ``param.grad`` is a view
+  into its bucket.
+* A post-accumulate-grad hook marks parameters ready; when a bucket is
+  complete its reduction is submitted to the group's communication thread
+  (C++, ``torch.ops.mapp.compressed_all_reduce_async``) while backward goes
+  on. Buckets are submitted strictly in order, so every rank issues the same
+  sequence of collectives even when readiness order differs.
+* **finish_grad_sync() runs automatically at the end of backward** (queued on
+  the autograd engine by the first hook of that backward): it submits the
+  buckets not yet submitted (e.g. those holding unused parameters, whose
+  gradients are then zeros or whatever was accumulated) and waits for all of
+  them, so ``loss.backward()`` returns with averaged gradients. Calling it
+  again is a no-op.
+* Gradients are averaged (SUM, then divide: Gloo's AVG has a known bug).
+* ``no_sync()`` skips synchronization (gradient accumulation), like torch DDP.
+* With a :class:`~megatronapp.optimizer.DistributedOptimizer` (ZeRO-1) the
+  buckets are reduce-scattered instead: each rank receives the averaged
+  float32 gradients of the shard it owns, and parameters are views into
+  per-bucket parameter buffers that the optimizer all-gathers after its step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+import torch
+from torch import nn
+
+from . import _collectives
+from .comm import _state_tensors, parse_compression
+from .parallel_state import ParallelState, get_parallel_state
+
+__all__ = ["DistributedDataParallel"]
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list
+    offsets: list  # element offset of each param in the bucket
+    numel: int
+    dtype: torch.dtype
+    grad_data: torch.Tensor
+    param_data: torch.Tensor | None = None  # ZeRO-1: params are views into this
+    layout: list = field(default_factory=list)  # (offset, rows, cols) of 2-D params
+    state: dict = field(default_factory=dict)  # codec spec -> state tensors
+    shard: torch.Tensor | None = None  # ZeRO-1: this rank's averaged fp32 grad chunk
+    ready: set = field(default_factory=set)
+    handle: int | None = None
+    raw_bytes: int = 0
+    sent_bytes: int = 0
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps `module`; see the module docstring.
+
+    Args:
+        module: the model (its parameters must be identical in number, shape
+            and dtype on every rank of the group: checked at construction).
+        process_group: defaults to the data-parallel group of the grid (or the
+            world when model parallelism is not initialized).
+        bucket_size_mb: target bucket size.
+        compression: None, a spec string (``"int8"``, ``"powersgd:4"``, ...) or
+            a :class:`~megatronapp.comm.Compression` with a warm-up.
+        overlap_grad_reduce: submit bucket reductions during backward (True)
+            or all at the end of backward (False).
+        broadcast_parameters: copy rank 0's parameters to every rank first.
+    """
+
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
+                 bucket_size_mb: float = 25, compression=None, overlap_grad_reduce: bool = True,
+                 broadcast_parameters: bool = True,
+                 parallel_state: ParallelState | None = None):
+        super().__init__()
+        self.module = module
+        if process_group is None:
+            if parallel_state is not None:
+                process_group = parallel_state.data_group
+            else:
+                try:
+                    process_group = get_parallel_state().data_group
+                except RuntimeError:
+                    process_group = dist.group.WORLD
+        self.group = process_group
+        self.world = process_group.size()
+        self.compression = parse_compression(compression)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.bucket_size = int(bucket_size_mb * 1024 * 1024)
+        if self.bucket_size <= 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        self._check_replicas_match()
+        if broadcast_parameters and self.world > 1:
+            src = dist.get_global_rank(self.group, 0)
+            with torch.no_grad():
+                for p in module.parameters():
+                    dist.broadcast(p.data, src=src, group=self.group)
+        self._sync_enabled = True
+        self._zero = False
+        self._callback_queued = False
+        self._sync_steps = 0
+        self._step_stats = {"raw_bytes": 0, "sent_bytes": 0}
+        self._build_buckets()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                       for b in self.buckets for p in b.params]
+
+    # ---- construction --------------------------------------------------------
+    def _check_replicas_match(self) -> None:
+        desc = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for n, p in self.module.named_parameters()])
+        mine = torch.tensor([zlib.crc32(desc.encode())], dtype=torch.int64)
+        if self.world == 1:
+            return
+        device = next(self.module.parameters()).device
+        allh = _collectives.all_gather(mine.to(device), 0, self.group).cpu()
+        if not bool((allh == allh[0]).all()):
+            ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)]
+            groups = {}
+            for r, h in zip(ranks, allh.tolist(), strict=True):
+                groups.setdefault(h, []).append(r)
+            raise ValueError(
+                "DistributedDataParallel: the model differs across data-parallel ranks "
+                f"(parameter names/shapes/dtypes hash to {len(groups)} different values: "
+                f"{list(groups.values())}); every rank of the group must build the same model")
+
+    def _build_buckets(self) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        params.reverse()  # backward produces the last layers' grads first
+        self.buckets = []
+        current, size = {}, {}
+        for p in params:
+            lst = current.setdefault(p.dtype, [])
+            lst.append(p)
+            size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+            if size[p.dtype] >= self.bucket_size:
+                self._add_bucket(lst)
+                current[p.dtype], size[p.dtype] = [], 0
+        for lst in current.values():
+            if lst:
+                self._add_bucket(lst)
+        self._param_bucket = {p: b for b in self.buckets for p in b.params}
+
+    def _add_bucket(self, params: list) -> None:
+        offsets, n, layout = [], 0, []
+        for p in params:
+            offsets.append(n)
+            if p.dim() == 2:
+                layout.append((n, p.shape[0], p.shape[1]))
+            n += p.numel()
+        dtype, device = params[0].dtype, params[0].device
+        grad = torch.zeros(n, dtype=dtype, device=device)
+        b = Bucket(index=len(self.buckets), params=params, offsets=offsets, numel=n,
+                   dtype=dtype, grad_data=grad, layout=layout)
+        self.buckets.append(b)
+        self._attach_grads(b, zero=True)
+
+    def _attach_grads(self, b: Bucket, zero: bool) -> None:
+        for p, off in zip(b.params, b.offsets, strict=True):
+            view = b.grad_data[off: off + p.numel()].view_as(p)
+            if p.grad is None:
+                if zero:
+                    view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # the user replaced .grad: adopt its values
+                p.grad = view
+
+    def enable_distributed_optimizer(self) -> None:
+        """Switches to ZeRO-1 mode: parameters become views into contiguous
+        per-bucket buffers and reductions become reduce-scatters. Called by
+        DistributedOptimizer before the first backward.
+
+        Buffers are padded to a multiple of world x the codec's block, so the
+        shard each rank owns is the same for every codec (warm-up included)."""
+        if self._zero:
+            return
+        self._zero = True
+        spec = self.compression.spec if self.compression else "none"
+        with torch.no_grad():
+            for b in self.buckets:
+                padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, self.world) * self.world
+                grad = torch.zeros(padded, dtype=b.dtype, device=b.grad_data.device)
+                grad[: b.numel].copy_(b.grad_data)
+                b.grad_data = grad
+                for p in b.params:
+                    p.grad = None
+                self._attach_grads(b, zero=False)
+                b.param_data = torch.zeros(padded, dtype=b.dtype, device=grad.device)
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    b.param_data[off: off + p.numel()].copy_(p.data.view(-1))
+                    p.data = b.param_data[off: off + p.numel()].view_as(p)
+                b.shard = torch.zeros(padded // self.world, dtype=torch.float32, device=grad.device)
+                b.state.clear()
+
+    # ---- per-step machinery ----------------------------------------------------
+    def forward(self, *args, **kwargs):
+        for b in self.buckets:
+            self._attach_grads(b, zero=True)
+            b.ready.clear()
+            b.handle = None
+        self._next_bucket = 0
+        self._callback_queued = False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients without communicating."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _make_hook(self, p):
+        def hook(param):
+            if not self._sync_enabled:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+            b = self._param_bucket[p]
+            b.ready.add(id(param))
+            if self.overlap_grad_reduce:
+                self._launch_ready()
+        return hook
+
+    def _spec(self) -> str:
+        c = self.compression
+        if c is None or self._sync_steps < c.start_iter:
+            return "none"
+        return c.spec
+
+    def _launch(self, b: Bucket) -> None:
+        spec = self._spec()
+        if spec not in b.state:
+            layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
+            b.state[spec] = (_state_tensors(spec, b.grad_data.numel(), self.world, layout,
+                                            b.grad_data.device, seed=b.index), layout)
+        state, layout = b.state[spec]
+        name = self.group.group_name
+        if self._zero:
+            b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
+                b.grad_data, spec, state, b.shard, True, name)
+        else:
+            b.handle = torch.ops.mapp.compressed_all_reduce_async(
+                b.grad_data, spec, state, layout, True, name)
+
+    def _launch_ready(self) -> None:
+        while (self._next_bucket < len(self.buckets)
+               and len(self.buckets[self._next_bucket].ready)
+               == len(self.buckets[self._next_bucket].params)):
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def finish_grad_sync(self) -> None:
+        """Submits the remaining buckets, waits for all, records statistics."""
+        if not self._callback_queued:
+            return  # nothing started in this backward (or already finished)
+        self._callback_queued = False
+        while self._next_bucket < len(self.buckets):
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+        step = {"raw_bytes": 0, "sent_bytes": 0}
+        for b in self.buckets:
+            if b.handle is not None:
+                b.raw_bytes, b.sent_bytes = torch.ops.mapp.wait_comm(b.handle)
+                b.handle = None
+                step["raw_bytes"] += b.raw_bytes
+                step["sent_bytes"] += b.sent_bytes
+        self._step_stats = step
+        self._sync_steps += 1
+
+    def comm_stats(self) -> dict:
+        """Bytes before/after compression of the last synchronized step, per
+        bucket and in total (raw = what an uncompressed fp32 ring all-reduce
+        would send)."""
+        return {
+            "codec": self._spec(),
+            "buckets": [{"index": b.index, "numel": b.numel, "dtype": str(b.dtype),
+                         "raw_bytes": b.raw_bytes, "sent_bytes": b.sent_bytes}
+                        for b in self.buckets],
+            "step": dict(self._step_stats),
+            "synchronized_steps": self._sync_steps,
+        }
+
+    # state_dict / parameters pass through to the wrapped module
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)

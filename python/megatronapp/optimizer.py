@@ -1,0 +1,156 @@
+"""ZeRO-1 distributed optimizer: optimizer state sharded over data-parallel ranks.
+
+    model = mapp.data_parallel.DistributedDataParallel(model, compression="int8")
+    opt = mapp.optimizer.DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4,
+                                              weight_decay=0.1)
+    loss.backward()          # gradients reduce-scattered (compressed) during backward
+    opt.clip_grad_norm_(1.0)
+    opt.step()               # shard update in fp32, then parameters all-gathered
+
+Constructor: ``DistributedOptimizer(ddp, optimizer_class=torch.optim.AdamW,
+param_groups=None, **optimizer_kwargs)``.
+
+* `ddp` — the :class:`~megatronapp.data_parallel.DistributedDataParallel`
+  wrapping the model; the optimizer switches it to reduce-scatter mode, so
+  build the optimizer before the first backward.
+* `optimizer_class` — any ``torch.optim.Optimizer`` (AdamW, SGD, ...), built
+  over this rank's shard only, so its state takes ~1/dp of the memory.
+* `param_groups` — optional list of dicts ``{"params": [model params], **options}``
+  like a torch optimizer's groups (e.g. no weight decay for biases); default
+  one group with `optimizer_kwargs`.
+
+Each rank owns chunk r of every bucket (buckets are padded to equal chunks).
+The intersection of a parameter with that chunk becomes a float32 "main"
+tensor — float32 even when the model is bf16 — which is what the inner
+optimizer updates; after the step the shards are cast back into the bucket's
+parameter buffer and all-gathered, so every rank ends with identical
+parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _collectives
+from .data_parallel import DistributedDataParallel
+from .parallel_state import ParallelState, get_parallel_state
+from .tensor_parallel.utils import is_tensor_parallel
+from .training import _coalesced_all_reduce_
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    def __init__(self, ddp: DistributedDataParallel, optimizer_class=torch.optim.AdamW,
+                 param_groups: list | None = None, *,
+                 parallel_state: ParallelState | None = None, **optimizer_kwargs):
+        if not isinstance(ddp, DistributedDataParallel):
+            raise ValueError("DistributedOptimizer needs the model wrapped in "
+                             "megatronapp.data_parallel.DistributedDataParallel")
+        self.ddp = ddp
+        ddp.enable_distributed_optimizer()
+        self.group = ddp.group
+        self.world, self.rank = ddp.world, ddp.group.rank()
+        try:
+            self.state_mp = parallel_state or get_parallel_state()
+        except RuntimeError:
+            self.state_mp = None
+        options = {}
+        if param_groups is not None:
+            for i, g in enumerate(param_groups):
+                for p in g["params"]:
+                    options[p] = i
+        group_opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [{}])]
+        # Shard pieces: (bucket, param, lo, hi) in bucket coordinates, and the
+        # fp32 main tensor the inner optimizer updates.
+        self.pieces = []
+        by_group = [[] for _ in group_opts]
+        for b in ddp.buckets:
+            chunk = b.param_data.numel() // self.world
+            s_lo, s_hi = self.rank * chunk, (self.rank + 1) * chunk
+            for p, off in zip(b.params, b.offsets, strict=True):
+                lo, hi = max(off, s_lo), min(off + p.numel(), s_hi)
+                if lo >= hi:
+                    continue
+                main = b.param_data[lo:hi].detach().float().clone()
+                self.pieces.append((b, p, lo, hi, main))
+                by_group[options.get(p, 0)].append(main)
+        groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
+        self.optimizer = optimizer_class(groups, **optimizer_kwargs)
+        self._sp_done = False
+        self.param_groups = self.optimizer.param_groups
+
+    # ---- the step -------------------------------------------------------------
+    def _load_grads(self) -> None:
+        if self.ddp._callback_queued:
+            self.ddp.finish_grad_sync()
+        for b, _p, lo, hi, main in self.pieces:
+            chunk = b.param_data.numel() // self.world
+            main.grad = b.shard[lo - self.rank * chunk: hi - self.rank * chunk]
+        # Sequence-parallel parameters saw only their sequence shard: their
+        # gradients are partial sums over the tensor group (same shard ranges on
+        # every tensor rank: the buckets are identical).
+        sp = [m.grad for _b, p, _lo, _hi, m in self.pieces if getattr(p, "sequence_parallel", False)]
+        if sp and self.state_mp is not None and self.state_mp.tp_size > 1 and not self._sp_done:
+            _coalesced_all_reduce_(sp, self.state_mp.tensor_group)
+        self._sp_done = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global gradient L2 norm from the shards (tensor-parallel shards count
+        on every tp rank, replicated parameters once); scales if above max_norm."""
+        self._load_grads()
+        sq = torch.zeros(1, dtype=torch.float64)
+        tp_rank = self.state_mp.tp_rank if self.state_mp else 0
+        for _b, p, _lo, _hi, main in self.pieces:
+            if is_tensor_parallel(p) or tp_rank == 0:
+                sq += main.grad.double().pow(2).sum().cpu()
+        _collectives.all_reduce_sum_(sq, self.group)
+        if self.state_mp is not None:
+            _collectives.all_reduce_sum_(sq, self.state_mp.model_group)
+        norm = math.sqrt(float(sq))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for b in self.ddp.buckets:
+                b.shard.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._load_grads()
+        self.optimizer.step()
+        self._sp_done = False
+        for b, _p, lo, hi, main in self.pieces:
+            b.param_data[lo:hi].copy_(main)
+        for b in self.ddp.buckets:
+            chunk = b.param_data.numel() // self.world
+            mine = b.param_data[self.rank * chunk: (self.rank + 1) * chunk].contiguous()
+            b.param_data.copy_(_collectives.all_gather(mine, 0, self.group))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.ddp.buckets:
+            b.grad_data.zero_()
+        for *_rest, main in self.pieces:
+            main.grad = None
+
+    # ---- introspection ----------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of the inner optimizer's state (e.g. AdamW moments) on this rank."""
+        total = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    total += v.numel() * v.element_size()
+        return total
+
+    def main_param_bytes(self) -> int:
+        """Bytes of this rank's float32 main parameters."""
+        return sum(m.numel() * m.element_size() for *_r, m in self.pieces)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

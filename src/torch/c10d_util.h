@@ -1,0 +1,41 @@
+// Shared by the collectives of src/torch: group lookup by name and a bounded
+// wait that turns c10d failures and timeouts into errors naming the operation.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <exception>
+#include <string>
+
+#include "mapp/common/check.h"
+#include "mapp/common/tunables.h"
+
+namespace mapp::torch_ext::internal {
+
+inline c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
+  try {
+    return c10d::resolve_process_group(group_name);
+  } catch (const c10::Error&) {
+    MAPP_CHECK_STATE(false, "no process group is registered under the name '", group_name,
+                     "'; call torch.distributed.init_process_group (and "
+                     "megatronapp.initialize_model_parallel) first and pass group.group_name");
+  }
+}
+
+// Issues a collective (`issue` returns the c10d Work) and waits for it at most
+// MAPP_COLLECTIVE_TIMEOUT_S: a hang must become an error.
+template <typename Issue>
+void run(const char* op, const std::string& group_name, Issue&& issue) {
+  const auto timeout =
+      std::chrono::milliseconds(1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
+  try {
+    c10::intrusive_ptr<c10d::Work> work = issue();
+    work->wait(timeout);
+  } catch (const std::exception& e) {
+    MAPP_FAIL_BACKEND(op, " on group '", group_name, "' failed: ", e.what());
+  }
+}
+
+}  // namespace mapp::torch_ext::internal

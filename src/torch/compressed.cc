@@ -1,0 +1,497 @@
+#include "mapp/torch/compressed.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "c10d_util.h"
+#include "mapp/common/check.h"
+#ifdef MAPP_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "mapp/kernels/codec.cuh"
+#endif
+
+namespace mapp::torch_ext {
+namespace {
+
+using codec::Kind;
+using codec::Spec;
+using internal::resolve;
+using internal::run;
+
+void check_float_1d(const at::Tensor& t, const char* what) {
+  MAPP_CHECK(t.dim() == 1 && t.is_contiguous(), what, ": expected a contiguous 1-D tensor, got ",
+             t.sizes());
+  MAPP_CHECK(at::isFloatingType(t.scalar_type()), what, ": expected floating point, got ",
+             t.scalar_type());
+}
+
+// ---- encode / decode on either device --------------------------------------------
+
+at::Tensor encode(const Spec& spec, const at::Tensor& x, const at::Tensor* err) {
+  const std::int64_t n = x.numel();
+  at::Tensor out = at::empty({static_cast<std::int64_t>(codec::encoded_bytes(spec, n))},
+                             x.options().dtype(at::kByte));
+  if (x.is_cuda()) {
+#ifdef MAPP_WITH_CUDA_KERNELS
+    const cudaError_t e = kernels::codec_encode(
+        spec, x.data_ptr<float>(), err ? err->data_ptr<float>() : nullptr, n,
+        out.data_ptr<std::uint8_t>(), c10::cuda::getCurrentCUDAStream().stream());
+    if (e != cudaSuccess) MAPP_FAIL_BACKEND("codec encode kernel: ", cudaGetErrorString(e));
+#else
+    MAPP_CHECK(false, "this build has no CUDA kernels; rebuild with the CUDA toolkit");
+#endif
+  } else {
+    codec::encode_with_feedback(spec, x.data_ptr<float>(), err ? err->data_ptr<float>() : nullptr,
+                                n, out.data_ptr<std::uint8_t>());
+  }
+  return out;
+}
+
+void decode(const Spec& spec, const at::Tensor& payload, at::Tensor& out, bool accumulate) {
+  const std::int64_t n = out.numel();
+  if (out.is_cuda()) {
+#ifdef MAPP_WITH_CUDA_KERNELS
+    const cudaError_t e =
+        kernels::codec_decode(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>(),
+                              accumulate, c10::cuda::getCurrentCUDAStream().stream());
+    if (e != cudaSuccess) MAPP_FAIL_BACKEND("codec decode kernel: ", cudaGetErrorString(e));
+#else
+    MAPP_CHECK(false, "this build has no CUDA kernels; rebuild with the CUDA toolkit");
+#endif
+  } else if (accumulate) {
+    codec::decode_add(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>());
+  } else {
+    codec::decode(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>());
+  }
+}
+
+void check_state(const std::vector<at::Tensor>& state,
+                 const std::vector<std::vector<std::int64_t>>& shapes, const Spec& spec) {
+  MAPP_CHECK(state.size() == shapes.size(), "codec ", spec.str(), " needs ", shapes.size(),
+             " state tensors (see state_shapes), got ", state.size());
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    MAPP_CHECK(state[i].sizes().vec() == shapes[i] && state[i].scalar_type() == at::kFloat &&
+                   state[i].is_contiguous(),
+               "codec ", spec.str(), " state ", i, " must be a contiguous float32 tensor of shape ",
+               at::IntArrayRef(shapes[i]), ", got ", state[i].sizes(), " ",
+               state[i].scalar_type());
+  }
+}
+
+// ---- the algorithms --------------------------------------------------------------
+
+// Phase 1 of the two-phase scheme: returns this rank's reduced chunk (sum).
+at::Tensor two_phase_scatter(const Spec& spec, const at::Tensor& x /*padded f32*/,
+                             const at::Tensor* err_worker, const std::string& group,
+                             c10d::ProcessGroup& pg, CommStats& st) {
+  const std::int64_t world = pg.getSize(), chunk = x.numel() / world;
+  std::vector<at::Tensor> payloads;
+  for (std::int64_t j = 0; j < world; ++j) {
+    at::Tensor e = err_worker ? err_worker->narrow(0, j * chunk, chunk) : at::Tensor();
+    payloads.push_back(encode(spec, x.narrow(0, j * chunk, chunk), err_worker ? &e : nullptr));
+  }
+  at::Tensor send = at::cat(payloads);
+  at::Tensor recv = at::empty_like(send);
+  const std::int64_t pb = payloads[0].numel();
+  std::vector<std::int64_t> splits;  // equal splits
+  run("compressed reduce-scatter (all-to-all)", group,
+      [&] { return pg.alltoall_base(recv, send, splits, splits); });
+  st.sent_bytes += (world - 1) * pb;
+  at::Tensor acc = at::zeros({chunk}, x.options());
+  for (std::int64_t i = 0; i < world; ++i) decode(spec, recv.narrow(0, i * pb, pb), acc, true);
+  return acc;
+}
+
+void two_phase_gather(const Spec& spec, const at::Tensor& chunk, const at::Tensor* err_server,
+                      at::Tensor& out /*padded f32*/, const std::string& group,
+                      c10d::ProcessGroup& pg, CommStats& st) {
+  const std::int64_t world = pg.getSize(), c = chunk.numel();
+  at::Tensor payload = encode(spec, chunk, err_server);
+  const std::int64_t pb = payload.numel();
+  at::Tensor all = at::empty({world * pb}, payload.options());
+  run("compressed all-gather", group, [&] { return pg._allgather_base(all, payload); });
+  st.sent_bytes += (world - 1) * pb;
+  for (std::int64_t i = 0; i < world; ++i) {
+    at::Tensor dst = out.narrow(0, i * c, c);
+    decode(spec, all.narrow(0, i * pb, pb), dst, false);
+  }
+}
+
+void plain_all_reduce(at::Tensor& x, const std::string& group, c10d::ProcessGroup& pg,
+                      CommStats& st) {
+  std::vector<at::Tensor> ts{x};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  run("all_reduce", group, [&] { return pg.allreduce(ts, opts); });
+  st.sent_bytes += 2 * (pg.getSize() - 1) * x.numel() * 4 / pg.getSize();
+}
+
+void topk_all_reduce(const Spec& spec, at::Tensor& x, at::Tensor& err, const std::string& group,
+                     c10d::ProcessGroup& pg, CommStats& st) {
+  const std::int64_t n = x.numel(), k = codec::topk_count(spec, n), world = pg.getSize();
+  err.add_(x);  // err holds the compensated gradient x' = x + err
+  at::Tensor idx = std::get<1>(at::topk(err.abs(), k, 0, true, false));
+  idx = std::get<0>(at::sort(idx));
+  at::Tensor val = err.index_select(0, idx);
+  err.index_fill_(0, idx, 0.0);  // what is sent leaves the residual
+  at::Tensor payload = at::cat({idx.to(at::kInt).view(at::kByte), val.view(at::kByte)});
+  at::Tensor all = at::empty({world * payload.numel()}, payload.options());
+  run("top-k all-gather", group, [&] { return pg._allgather_base(all, payload); });
+  st.sent_bytes += (world - 1) * payload.numel();
+  x.zero_();
+  const std::int64_t pb = payload.numel();
+  for (std::int64_t i = 0; i < world; ++i) {
+    at::Tensor p = all.narrow(0, i * pb, pb);
+    at::Tensor ri = p.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong);
+    at::Tensor rv = p.narrow(0, 4 * k, 4 * k).view(at::kFloat);
+    x.index_add_(0, ri, rv);
+  }
+}
+
+void powersgd_all_reduce(const Spec& spec, at::Tensor& x, const std::vector<at::Tensor>& state,
+                         const std::vector<std::int64_t>& layout, const std::string& group,
+                         c10d::ProcessGroup& pg, CommStats& st) {
+  const std::int64_t world = pg.getSize();
+  at::Tensor err = state[0];
+  err.add_(x);  // compensated
+  at::Tensor covered = at::zeros({x.numel()}, x.options().dtype(at::kBool));
+  std::vector<at::Tensor> ms, ps;
+  const std::size_t m = layout.size() / 3;
+  for (std::size_t i = 0; i < m; ++i) {
+    const std::int64_t off = layout[3 * i], rows = layout[3 * i + 1], cols = layout[3 * i + 2];
+    ms.push_back(err.narrow(0, off, rows * cols).view({rows, cols}));
+    covered.narrow(0, off, rows * cols).fill_(true);
+    ps.push_back(at::matmul(ms.back(), state[1 + i]));  // [rows, r]
+  }
+  // The rest (biases, norms) travels uncompressed, from the compensated buffer.
+  at::Tensor rest_idx = at::nonzero(covered.logical_not()).squeeze(1);
+  at::Tensor rest = err.index_select(0, rest_idx);
+  err.index_fill_(0, rest_idx, 0.0);
+  if (rest.numel() > 0) plain_all_reduce(rest, group, pg, st);
+  if (m > 0) {
+    std::vector<at::Tensor> flat_ps;
+    for (auto& p : ps) flat_ps.push_back(p.reshape(-1));
+    at::Tensor pflat = at::cat(flat_ps);
+    plain_all_reduce(pflat, group, pg, st);
+    std::int64_t at_ = 0;
+    std::vector<at::Tensor> local_qs;  // Q_i = M_i^T P, before the reduction
+    for (std::size_t i = 0; i < m; ++i) {
+      const std::int64_t n = ps[i].numel();
+      at::Tensor p = pflat.narrow(0, at_, n).view(ps[i].sizes());
+      at_ += n;
+      ps[i] = std::get<0>(at::linalg_qr(p, "reduced"));  // orthonormal columns
+      local_qs.push_back(at::matmul(ms[i].t(), ps[i]));  // [cols, r]
+    }
+    std::vector<at::Tensor> flat_qs;
+    for (auto& q : local_qs) flat_qs.push_back(q.reshape(-1));
+    at::Tensor qflat = at::cat(flat_qs);
+    plain_all_reduce(qflat, group, pg, st);
+    at_ = 0;
+    for (std::size_t i = 0; i < m; ++i) {
+      at::Tensor q = state[1 + i];
+      const std::int64_t n = q.numel();
+      q.copy_(qflat.narrow(0, at_, n).view(q.sizes()));  // sum of Q_i; warm start next call
+      at_ += n;
+      const std::int64_t off = layout[3 * i];
+      x.narrow(0, off, ms[i].numel()).copy_(at::matmul(ps[i], q.t()).reshape(-1));  // sum
+      ms[i].sub_(at::matmul(ps[i], local_qs[i].t()));  // residual: M_i - P P^T M_i
+    }
+  }
+  if (rest.numel() > 0) x.index_copy_(0, rest_idx, rest);
+}
+
+std::int64_t round_up(std::int64_t a, std::int64_t b) { return (a + b - 1) / b * b; }
+
+}  // namespace
+
+std::int64_t padded_chunk(const Spec& spec, std::int64_t n, std::int64_t world) {
+  return round_up(std::max<std::int64_t>(n, 1), world * spec.alignment()) / world;
+}
+
+std::vector<std::vector<std::int64_t>> state_shapes(const Spec& spec, std::int64_t n,
+                                                    std::int64_t world,
+                                                    const std::vector<std::int64_t>& layout) {
+  const std::int64_t c = padded_chunk(spec, n, world);
+  switch (spec.kind) {
+    case Kind::kInt8:
+    case Kind::kOneBit: return {{c * world}, {c}};
+    case Kind::kTopK: return {{n}};
+    case Kind::kPowerSGD: {
+      MAPP_CHECK(layout.size() % 3 == 0, "layout must hold (offset, rows, cols) triples");
+      std::vector<std::vector<std::int64_t>> s{{n}};
+      for (std::size_t i = 0; i < layout.size(); i += 3) {
+        MAPP_CHECK(layout[i] >= 0 && layout[i] + layout[i + 1] * layout[i + 2] <= n,
+                   "layout matrix ", i / 3, " lies outside the buffer of ", n, " elements");
+        s.push_back({layout[i + 2], std::min(spec.rank, std::min(layout[i + 1], layout[i + 2]))});
+      }
+      return s;
+    }
+    default: return {};
+  }
+}
+
+CommStats compressed_all_reduce(at::Tensor& buf, const Spec& spec,
+                                const std::vector<at::Tensor>& state,
+                                const std::vector<std::int64_t>& layout, bool average,
+                                const std::string& group_name) {
+  check_float_1d(buf, "compressed_all_reduce");
+  auto pg = resolve(group_name);
+  const std::int64_t world = pg->getSize(), n = buf.numel();
+  check_state(state, state_shapes(spec, n, world, layout), spec);
+  CommStats st;
+  st.raw_bytes = 2 * (world - 1) * n * 4 / std::max<std::int64_t>(world, 1);
+  if (world == 1) return st;
+  at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
+  switch (spec.kind) {
+    case Kind::kNone: plain_all_reduce(x, group_name, *pg, st); break;
+    case Kind::kTopK: {
+      at::Tensor err = state[0];
+      topk_all_reduce(spec, x, err, group_name, *pg, st);
+      break;
+    }
+    case Kind::kPowerSGD: powersgd_all_reduce(spec, x, state, layout, group_name, *pg, st); break;
+    default: {
+      const std::int64_t c = padded_chunk(spec, n, world);
+      at::Tensor padded = at::zeros({c * world}, x.options());
+      padded.narrow(0, 0, n).copy_(x);
+      const at::Tensor* ew = state.empty() ? nullptr : &state[0];
+      const at::Tensor* es = state.empty() ? nullptr : &state[1];
+      at::Tensor mine = two_phase_scatter(spec, padded, ew, group_name, *pg, st);
+      two_phase_gather(spec, mine, es, padded, group_name, *pg, st);
+      x.copy_(padded.narrow(0, 0, n));
+    }
+  }
+  if (average) x.div_(static_cast<double>(world));
+  if (!x.is_same(buf)) buf.copy_(x);
+  return st;
+}
+
+at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
+                                     const std::vector<at::Tensor>& state, bool average,
+                                     const std::string& group_name, CommStats* stats) {
+  check_float_1d(buf, "compressed_reduce_scatter");
+  auto pg = resolve(group_name);
+  const std::int64_t world = pg->getSize(), rank = pg->getRank(), n = buf.numel();
+  const std::int64_t c = padded_chunk(spec, n, world);
+  CommStats st;
+  st.raw_bytes = (world - 1) * c * 4;
+  at::Tensor padded = at::zeros({c * world}, buf.options().dtype(at::kFloat));
+  padded.narrow(0, 0, n).copy_(buf);
+  at::Tensor mine;
+  if (world == 1) {
+    mine = padded;
+  } else if (spec.kind == Kind::kNone) {
+    mine = at::empty({c}, padded.options());
+    run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(mine, padded); });
+    st.sent_bytes += (world - 1) * c * 4;
+  } else if (spec.elementwise()) {
+    const auto shapes = state_shapes(spec, n, world, {});
+    check_state(state, shapes, spec);
+    mine = two_phase_scatter(spec, padded, state.empty() ? nullptr : &state[0], group_name, *pg,
+                             st);
+  } else {  // top-k / PowerSGD compress an all-reduce; keep this rank's chunk
+    at::Tensor full = padded.narrow(0, 0, n).clone();
+    CommStats inner = compressed_all_reduce(full, spec, state, {}, false, group_name);
+    st.sent_bytes += inner.sent_bytes;
+    padded.narrow(0, 0, n).copy_(full);
+    mine = padded.narrow(0, rank * c, c).clone();
+  }
+  if (average && world > 1) mine.div_(static_cast<double>(world));
+  if (stats) *stats = st;
+  return mine;
+}
+
+// ---- the communication threads ----------------------------------------------------
+
+namespace {
+
+class AsyncEngine {
+ public:
+  std::int64_t submit(const std::string& group, std::function<CommStats()> job) {
+    std::packaged_task<CommStats()> task(std::move(job));
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::int64_t handle = next_++;
+    futures_.emplace(handle, task.get_future());
+    Worker& w = workers_[group];
+    if (!w.thread.joinable()) {
+      w.thread = std::thread([&w] { w.loop(); });
+      w.thread.detach();  // blocked collectives must not hang process exit
+    }
+    {
+      std::lock_guard<std::mutex> wl(w.mu);
+      w.queue.push_back(std::move(task));
+    }
+    w.cv.notify_one();
+    return handle;
+  }
+
+  CommStats wait(std::int64_t handle) {
+    std::future<CommStats> f;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = futures_.find(handle);
+      MAPP_CHECK(it != futures_.end(), "unknown or already waited communication handle ",
+                 handle);
+      f = std::move(it->second);
+      futures_.erase(it);
+    }
+    return f.get();
+  }
+
+ private:
+  struct Worker {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::packaged_task<CommStats()>> queue;
+    std::thread thread;
+    void loop() {
+      for (;;) {
+        std::packaged_task<CommStats()> task;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [this] { return !queue.empty(); });
+          task = std::move(queue.front());
+          queue.pop_front();
+        }
+        task();  // exceptions are stored in the future
+      }
+    }
+  };
+  std::mutex mu_;
+  std::int64_t next_ = 1;
+  std::map<std::int64_t, std::future<CommStats>> futures_;
+  std::map<std::string, Worker> workers_;  // node-based: Worker addresses stay valid
+};
+
+AsyncEngine& engine() {
+  static AsyncEngine* e = new AsyncEngine;  // leaked: threads may outlive statics
+  return *e;
+}
+
+std::vector<std::int64_t> to_vec(const CommStats& s) { return {s.raw_bytes, s.sent_bytes}; }
+
+std::vector<std::int64_t> op_all_reduce(at::Tensor buf, const std::string& spec,
+                                        std::vector<at::Tensor> state,
+                                        std::vector<std::int64_t> layout, bool average,
+                                        const std::string& group) {
+  return to_vec(compressed_all_reduce(buf, Spec::parse(spec), state, layout, average, group));
+}
+
+std::int64_t op_all_reduce_async(at::Tensor buf, const std::string& spec,
+                                 std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
+                                 bool average, const std::string& group) {
+  const Spec s = Spec::parse(spec);
+  check_float_1d(buf, "compressed_all_reduce_async");
+  return submit_async(group, [=]() mutable {
+    return compressed_all_reduce(buf, s, state, layout, average, group);
+  });
+}
+
+at::Tensor op_reduce_scatter(const at::Tensor& buf, const std::string& spec,
+                             std::vector<at::Tensor> state, bool average,
+                             const std::string& group) {
+  return compressed_reduce_scatter(buf, Spec::parse(spec), state, average, group, nullptr);
+}
+
+std::int64_t op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
+                                     std::vector<at::Tensor> state, at::Tensor out, bool average,
+                                     const std::string& group) {
+  const Spec s = Spec::parse(spec);
+  check_float_1d(buf, "compressed_reduce_scatter_async");
+  return submit_async(group, [=]() mutable {
+    CommStats st;
+    at::Tensor mine = compressed_reduce_scatter(buf, s, state, average, group, &st);
+    out.copy_(mine);
+    return st;
+  });
+}
+
+std::vector<std::int64_t> op_wait(std::int64_t handle) { return to_vec(wait_async(handle)); }
+
+std::int64_t op_padded_chunk(const std::string& spec, std::int64_t n, std::int64_t world) {
+  return padded_chunk(Spec::parse(spec), n, world);
+}
+
+std::vector<std::int64_t> op_state_shapes(const std::string& spec, std::int64_t n,
+                                          std::int64_t world, std::vector<std::int64_t> layout) {
+  std::vector<std::int64_t> flat;  // (ndim, dims...) per tensor
+  for (const auto& s : state_shapes(Spec::parse(spec), n, world, layout)) {
+    flat.push_back(static_cast<std::int64_t>(s.size()));
+    flat.insert(flat.end(), s.begin(), s.end());
+  }
+  return flat;
+}
+
+at::Tensor op_encode(const at::Tensor& x, const std::string& spec, std::optional<at::Tensor> err) {
+  const Spec s = Spec::parse(spec);
+  MAPP_CHECK(s.elementwise(), "codec_encode takes an element-wise codec, got ", spec);
+  check_float_1d(x, "codec_encode");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (err) {
+    MAPP_CHECK(err->sizes() == x.sizes() && err->scalar_type() == at::kFloat && err->is_contiguous(),
+               "codec_encode: err must be a contiguous float32 tensor shaped like x");
+  }
+  return encode(s, xf, err ? &*err : nullptr);
+}
+
+at::Tensor op_decode(const at::Tensor& payload, const std::string& spec, std::int64_t n) {
+  const Spec s = Spec::parse(spec);
+  MAPP_CHECK(s.elementwise(), "codec_decode takes an element-wise codec, got ", spec);
+  MAPP_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() &&
+                 payload.numel() == static_cast<std::int64_t>(codec::encoded_bytes(s, n)),
+             "codec_decode: a ", spec, " payload of ", n, " elements has ",
+             codec::encoded_bytes(s, n), " bytes, got ", payload.numel());
+  at::Tensor out = at::empty({n}, payload.options().dtype(at::kFloat));
+  decode(s, payload, out, false);
+  return out;
+}
+
+}  // namespace
+
+std::int64_t submit_async(const std::string& group_name, std::function<CommStats()> job) {
+  return engine().submit(group_name, std::move(job));
+}
+
+CommStats wait_async(std::int64_t handle) {
+  try {
+    return engine().wait(handle);
+  } catch (const ValueError&) {
+    throw;
+  } catch (const StateError&) {
+    throw;
+  } catch (const std::exception& e) {
+    MAPP_FAIL_BACKEND("asynchronous gradient reduction failed: ", e.what());
+  }
+}
+
+}  // namespace mapp::torch_ext
+
+TORCH_LIBRARY_FRAGMENT(mapp, m) {
+  m.def("codec_encode(Tensor x, str spec, Tensor? err=None) -> Tensor",
+        &mapp::torch_ext::op_encode);
+  m.def("codec_decode(Tensor payload, str spec, int n) -> Tensor", &mapp::torch_ext::op_decode);
+  m.def("codec_state_shapes(str spec, int n, int world, int[] layout) -> int[]",
+        &mapp::torch_ext::op_state_shapes);
+  m.def("compressed_all_reduce_(Tensor(a!) buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> int[]",
+        &mapp::torch_ext::op_all_reduce);
+  m.def("compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> int",
+        &mapp::torch_ext::op_all_reduce_async);
+  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, bool average, "
+        "str group_name) -> Tensor",
+        &mapp::torch_ext::op_reduce_scatter);
+  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, Tensor out, "
+        "bool average, str group_name) -> int",
+        &mapp::torch_ext::op_reduce_scatter_async);
+  m.def("wait_comm(int handle) -> int[]", &mapp::torch_ext::op_wait);
+  m.def("codec_padded_chunk(str spec, int n, int world) -> int", &mapp::torch_ext::op_padded_chunk);
+}
