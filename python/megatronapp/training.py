@@ -50,7 +50,7 @@ def _coalesced_all_reduce_(tensors: list, group, scale: float | None = None) -> 
 
 @torch.no_grad()
 def finalize_model_grads(
-    model: torch.nn.Module, parallel_state: Optional[ParallelState] = None
+    model: torch.nn.Module, parallel_state: ParallelState | None = None
 ) -> None:
     """Completes the gradients of one optimizer step (see module docstring).
 

@@ -43,7 +43,7 @@ def _ddp_matches_torch(rank, world, overlap):
         with model.no_sync():
             model(xs[0]).pow(2).sum().backward()
         model(xs[1]).pow(2).sum().backward()
-    for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
+    for p, q in zip(ours_model.parameters(), ref_model.parameters(), strict=True):
         if q.grad is None:  # torch leaves never-used grads None; ours are zeros
             errs.append(float(p.grad.abs().max()))
         else:
