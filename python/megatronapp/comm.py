@@ -153,4 +153,5 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
     spec = c.spec if c else "none"
     flat = tensor.reshape(-1)
     state = _state_tensors(spec, flat.numel(), group.size(), [], tensor.device)
-    return torch.ops.mapp.compressed_reduce_scatter(flat, spec, state, average, group.group_name)
+    return torch.ops.mapp.compressed_reduce_scatter(flat, spec, state, [], average,
+                                                    group.group_name)

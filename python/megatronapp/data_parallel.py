@@ -254,7 +254,7 @@ class DistributedDataParallel(nn.Module):
         name = self.group.group_name
         if self._zero:
             b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
-                b.grad_data, spec, state, b.shard, True, name)
+                b.grad_data, spec, state, layout, b.shard, True, name)
         else:
             b.handle = torch.ops.mapp.compressed_all_reduce_async(
                 b.grad_data, spec, state, layout, True, name)

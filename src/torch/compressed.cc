@@ -275,7 +275,8 @@ CommStats compressed_all_reduce(at::Tensor& buf, const Spec& spec,
 }
 
 at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
-                                     const std::vector<at::Tensor>& state, bool average,
+                                     const std::vector<at::Tensor>& state,
+                                     const std::vector<std::int64_t>& layout, bool average,
                                      const std::string& group_name, CommStats* stats) {
   check_float_1d(buf, "compressed_reduce_scatter");
   auto pg = resolve(group_name);
@@ -293,13 +294,13 @@ at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
     run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(mine, padded); });
     st.sent_bytes += (world - 1) * c * 4;
   } else if (spec.elementwise()) {
-    const auto shapes = state_shapes(spec, n, world, {});
+    const auto shapes = state_shapes(spec, n, world, layout);
     check_state(state, shapes, spec);
     mine = two_phase_scatter(spec, padded, state.empty() ? nullptr : &state[0], group_name, *pg,
                              st);
   } else {  // top-k / PowerSGD compress an all-reduce; keep this rank's chunk
     at::Tensor full = padded.narrow(0, 0, n).clone();
-    CommStats inner = compressed_all_reduce(full, spec, state, {}, false, group_name);
+    CommStats inner = compressed_all_reduce(full, spec, state, layout, false, group_name);
     st.sent_bytes += inner.sent_bytes;
     padded.narrow(0, 0, n).copy_(full);
     mine = padded.narrow(0, rank * c, c).clone();
@@ -396,19 +397,20 @@ std::int64_t op_all_reduce_async(at::Tensor buf, const std::string& spec,
 }
 
 at::Tensor op_reduce_scatter(const at::Tensor& buf, const std::string& spec,
-                             std::vector<at::Tensor> state, bool average,
-                             const std::string& group) {
-  return compressed_reduce_scatter(buf, Spec::parse(spec), state, average, group, nullptr);
+                             std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
+                             bool average, const std::string& group) {
+  return compressed_reduce_scatter(buf, Spec::parse(spec), state, layout, average, group, nullptr);
 }
 
 std::int64_t op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
-                                     std::vector<at::Tensor> state, at::Tensor out, bool average,
-                                     const std::string& group) {
+                                     std::vector<at::Tensor> state,
+                                     std::vector<std::int64_t> layout, at::Tensor out,
+                                     bool average, const std::string& group) {
   const Spec s = Spec::parse(spec);
   check_float_1d(buf, "compressed_reduce_scatter_async");
   return submit_async(group, [=]() mutable {
     CommStats st;
-    at::Tensor mine = compressed_reduce_scatter(buf, s, state, average, group, &st);
+    at::Tensor mine = compressed_reduce_scatter(buf, s, state, layout, average, group, &st);
     out.copy_(mine);
     return st;
   });
@@ -486,11 +488,11 @@ TORCH_LIBRARY_FRAGMENT(mapp, m) {
   m.def("compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
         "bool average, str group_name) -> int",
         &mapp::torch_ext::op_all_reduce_async);
-  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, bool average, "
-        "str group_name) -> Tensor",
+  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> Tensor",
         &mapp::torch_ext::op_reduce_scatter);
-  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, Tensor out, "
-        "bool average, str group_name) -> int",
+  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "Tensor out, bool average, str group_name) -> int",
         &mapp::torch_ext::op_reduce_scatter_async);
   m.def("wait_comm(int handle) -> int[]", &mapp::torch_ext::op_wait);
   m.def("codec_padded_chunk(str spec, int n, int world) -> int", &mapp::torch_ext::op_padded_chunk);

@@ -54,7 +54,8 @@ CommStats compressed_all_reduce(at::Tensor& buf, const codec::Spec& spec,
 // This rank's chunk (padded length / W, float32) of the sum (or mean). For
 // non-element-wise codecs: a compressed all-reduce, then the chunk.
 at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const codec::Spec& spec,
-                                     const std::vector<at::Tensor>& state, bool average,
+                                     const std::vector<at::Tensor>& state,
+                                     const std::vector<std::int64_t>& layout, bool average,
                                      const std::string& group_name, CommStats* stats);
 
 // Elements per chunk after padding n for W ranks and the codec's alignment.
