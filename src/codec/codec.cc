@@ -17,6 +17,14 @@ constexpr const char* kValidSpecs =
 
 std::int64_t num_blocks(std::int64_t n, std::int64_t b) { return (n + b - 1) / b; }
 
+// Round to nearest, ties to even, for |v| < 2^22 (quantized values are within
+// +-127): adding and subtracting 1.5 * 2^23 leaves the rounded integer. Unlike
+// std::nearbyint this inlines and vectorizes.
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.f;  // not folded: IEEE forbids (v + m) - m == v
+  return (v + kMagic) - kMagic;
+}
+
 template <typename T>
 T parse_number(const std::string& text, const std::string& spec) {
   std::istringstream is(text);
@@ -174,19 +182,31 @@ float fp16_to_float(std::uint16_t h) {
 
 namespace {
 
-void encode_int8(const float* x, std::int64_t n, std::int64_t b, std::uint8_t* out) {
+// Quantizes x (+ err when given) block by block; with err, leaves the new
+// residual (x + err) - decode(out) in err. One pass over each block for the
+// scale, one to quantize.
+void encode_int8(const float* x, float* err, std::int64_t n, std::int64_t b, std::uint8_t* out) {
   float* scales = reinterpret_cast<float*>(out);
   auto* q = reinterpret_cast<std::int8_t*>(out + 4 * num_blocks(n, b));
   for (std::int64_t blk = 0; blk * b < n; ++blk) {
     const std::int64_t lo = blk * b, hi = std::min(n, lo + b);
     float amax = 0.f;
-    for (std::int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
+    if (err) {
+      for (std::int64_t i = lo; i < hi; ++i) {
+        err[i] += x[i];
+        amax = std::max(amax, std::fabs(err[i]));
+      }
+    } else {
+      for (std::int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
+    }
     const float scale = amax / 127.f;
     scales[blk] = scale;
     const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    const float* v = err ? err : x;
     for (std::int64_t i = lo; i < hi; ++i) {
-      const float v = std::nearbyint(x[i] * inv);
-      q[i] = static_cast<std::int8_t>(std::clamp(v, -127.f, 127.f));
+      const float r = std::clamp(round_even(v[i] * inv), -127.f, 127.f);
+      q[i] = static_cast<std::int8_t>(r);
+      if (err) err[i] -= r * scale;
     }
   }
 }
@@ -195,24 +215,41 @@ template <bool kAdd>
 void decode_int8(const std::uint8_t* in, std::int64_t n, std::int64_t b, float* out) {
   const float* scales = reinterpret_cast<const float*>(in);
   const auto* q = reinterpret_cast<const std::int8_t*>(in + 4 * num_blocks(n, b));
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(q[i]) * scales[i / b];
-    if constexpr (kAdd) out[i] += v;
-    else out[i] = v;
+  for (std::int64_t lo = 0; lo < n; lo += b) {
+    const float s = scales[lo / b];
+    const std::int64_t hi = std::min(n, lo + b);
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const float v = static_cast<float>(q[i]) * s;
+      if constexpr (kAdd) out[i] += v;
+      else out[i] = v;
+    }
   }
 }
 
-void encode_onebit(const float* x, std::int64_t n, std::int64_t b, std::uint8_t* out) {
+void encode_onebit(const float* x, float* err, std::int64_t n, std::int64_t b,
+                   std::uint8_t* out) {
   float* scales = reinterpret_cast<float*>(out);
   std::uint8_t* bits = out + 4 * num_blocks(n, b);
   std::memset(bits, 0, (n + 7) / 8);
   for (std::int64_t blk = 0; blk * b < n; ++blk) {
     const std::int64_t lo = blk * b, hi = std::min(n, lo + b);
     double sum = 0.0;
-    for (std::int64_t i = lo; i < hi; ++i) sum += std::fabs(x[i]);
-    scales[blk] = static_cast<float>(sum / static_cast<double>(hi - lo));
-    for (std::int64_t i = lo; i < hi; ++i)
-      if (x[i] >= 0.f) bits[i / 8] |= static_cast<std::uint8_t>(1u << (i % 8));
+    if (err) {
+      for (std::int64_t i = lo; i < hi; ++i) {
+        err[i] += x[i];
+        sum += std::fabs(err[i]);
+      }
+    } else {
+      for (std::int64_t i = lo; i < hi; ++i) sum += std::fabs(x[i]);
+    }
+    const float scale = static_cast<float>(sum / static_cast<double>(hi - lo));
+    scales[blk] = scale;
+    const float* v = err ? err : x;
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const bool pos = v[i] >= 0.f;
+      if (pos) bits[i / 8] |= static_cast<std::uint8_t>(1u << (i % 8));
+      if (err) err[i] -= pos ? scale : -scale;
+    }
   }
 }
 
@@ -220,11 +257,14 @@ template <bool kAdd>
 void decode_onebit(const std::uint8_t* in, std::int64_t n, std::int64_t b, float* out) {
   const float* scales = reinterpret_cast<const float*>(in);
   const std::uint8_t* bits = in + 4 * num_blocks(n, b);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float s = scales[i / b];
-    const float v = (bits[i / 8] >> (i % 8)) & 1 ? s : -s;
-    if constexpr (kAdd) out[i] += v;
-    else out[i] = v;
+  for (std::int64_t lo = 0; lo < n; lo += b) {  // b is a multiple of 8
+    const float s = scales[lo / b];
+    const std::int64_t hi = std::min(n, lo + b);
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const float sign = static_cast<float>(((bits[i >> 3] >> (i & 7)) & 1) * 2) - 1.f;
+      if constexpr (kAdd) out[i] += sign * s;
+      else out[i] = sign * s;
+    }
   }
 }
 
@@ -259,21 +299,39 @@ void decode_impl(const Spec& spec, const std::uint8_t* in, std::int64_t n, float
 
 }  // namespace
 
-void encode(const Spec& spec, const float* x, std::int64_t n, std::uint8_t* out) {
+namespace {
+
+void encode_cast(bool bf, const float* x, float* err, std::int64_t n, std::uint16_t* h) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = err ? x[i] + err[i] : x[i];
+    h[i] = bf ? float_to_bf16(v) : float_to_fp16(v);
+    if (err) err[i] = v - (bf ? bf16_to_float(h[i]) : fp16_to_float(h[i]));
+  }
+}
+
+void encode_any(const Spec& spec, const float* x, float* err, std::int64_t n, std::uint8_t* out) {
   check_spec_kind(spec, true, "encode");
   switch (spec.kind) {
-    case Kind::kNone: std::memcpy(out, x, 4 * n); return;
-    case Kind::kBF16:
-    case Kind::kFP16: {
-      auto* h = reinterpret_cast<std::uint16_t*>(out);
-      for (std::int64_t i = 0; i < n; ++i)
-        h[i] = spec.kind == Kind::kBF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
+    case Kind::kNone: {
+      auto* o = reinterpret_cast<float*>(out);
+      for (std::int64_t i = 0; i < n; ++i) o[i] = err ? x[i] + err[i] : x[i];
+      if (err) std::memset(err, 0, 4 * n);
       return;
     }
-    case Kind::kInt8: encode_int8(x, n, spec.block, out); return;
-    case Kind::kOneBit: encode_onebit(x, n, spec.block, out); return;
+    case Kind::kBF16:
+    case Kind::kFP16:
+      encode_cast(spec.kind == Kind::kBF16, x, err, n, reinterpret_cast<std::uint16_t*>(out));
+      return;
+    case Kind::kInt8: encode_int8(x, err, n, spec.block, out); return;
+    case Kind::kOneBit: encode_onebit(x, err, n, spec.block, out); return;
     default: return;
   }
+}
+
+}  // namespace
+
+void encode(const Spec& spec, const float* x, std::int64_t n, std::uint8_t* out) {
+  encode_any(spec, x, nullptr, n, out);
 }
 
 void decode(const Spec& spec, const std::uint8_t* in, std::int64_t n, float* out) {
@@ -286,15 +344,7 @@ void decode_add(const Spec& spec, const std::uint8_t* in, std::int64_t n, float*
 
 void encode_with_feedback(const Spec& spec, const float* x, float* err, std::int64_t n,
                           std::uint8_t* out) {
-  if (err == nullptr) {
-    encode(spec, x, n, out);
-    return;
-  }
-  for (std::int64_t i = 0; i < n; ++i) err[i] += x[i];  // err now holds x' = x + err
-  encode(spec, err, n, out);
-  std::vector<float> back(static_cast<std::size_t>(n));
-  decode(spec, out, n, back.data());
-  for (std::int64_t i = 0; i < n; ++i) err[i] -= back[i];
+  encode_any(spec, x, err, n, out);
 }
 
 // ---- top-k ------------------------------------------------------------------------
