@@ -19,7 +19,7 @@ DEMO_ITERS   ?= 300
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp gpu-check clean distclean help
 all: test
 
 help:
@@ -53,6 +53,7 @@ demo: build
 	  examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
 	  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
 	  --micro-batch-size 4 --global-batch-size 16 --lr 3e-3 \
+	  --use-distributed-optimizer --memory-pool \
 	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
 
 test: build lint test-cpp test-python
@@ -67,6 +68,13 @@ test-python:
 	$(PY) -m pytest -q tests/python tests/gpu
 
 # ---- more -----------------------------------------------------------------
+bench-codecs: build
+	build/py/benchmarks/codec_throughput 64
+
+# Needs root: two network namespaces joined by a veth pair shaped to 1 Gbit/s.
+bench-dp: build
+	$(PY) benchmarks/dp_bandwidth.py
+
 bench-memory: build
 	$(PY) benchmarks/memory_pool.py
 
@@ -78,6 +86,7 @@ bench: build
 gpu-check: build
 	$(PY) -m pytest -q tests/gpu
 	$(PY) benchmarks/kernels_gpu.py
+	$(PY) benchmarks/codecs_gpu.py
 	$(PY) benchmarks/memory_gpu.py
 
 clean:

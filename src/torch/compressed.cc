@@ -35,10 +35,10 @@ void check_float_1d(const at::Tensor& t, const char* what) {
 
 // ---- encode / decode on either device --------------------------------------------
 
-at::Tensor encode(const Spec& spec, const at::Tensor& x, const at::Tensor* err) {
+// Encodes x (with the residual `err` when given) into `out` (uint8, exactly
+// encoded_bytes long).
+void encode_into(const Spec& spec, const at::Tensor& x, const at::Tensor* err, at::Tensor out) {
   const std::int64_t n = x.numel();
-  at::Tensor out = at::empty({static_cast<std::int64_t>(codec::encoded_bytes(spec, n))},
-                             x.options().dtype(at::kByte));
   if (x.is_cuda()) {
 #ifdef MAPP_WITH_CUDA_KERNELS
     const cudaError_t e = kernels::codec_encode(
@@ -52,6 +52,12 @@ at::Tensor encode(const Spec& spec, const at::Tensor& x, const at::Tensor* err) 
     codec::encode_with_feedback(spec, x.data_ptr<float>(), err ? err->data_ptr<float>() : nullptr,
                                 n, out.data_ptr<std::uint8_t>());
   }
+}
+
+at::Tensor encode(const Spec& spec, const at::Tensor& x, const at::Tensor* err) {
+  at::Tensor out = at::empty({static_cast<std::int64_t>(codec::encoded_bytes(spec, x.numel()))},
+                             x.options().dtype(at::kByte));
+  encode_into(spec, x, err, out);
   return out;
 }
 
@@ -93,14 +99,14 @@ at::Tensor two_phase_scatter(const Spec& spec, const at::Tensor& x /*padded f32*
                              const at::Tensor* err_worker, const std::string& group,
                              c10d::ProcessGroup& pg, CommStats& st) {
   const std::int64_t world = pg.getSize(), chunk = x.numel() / world;
-  std::vector<at::Tensor> payloads;
+  const std::int64_t pb = static_cast<std::int64_t>(codec::encoded_bytes(spec, chunk));
+  at::Tensor send = at::empty({world * pb}, x.options().dtype(at::kByte));
   for (std::int64_t j = 0; j < world; ++j) {
     at::Tensor e = err_worker ? err_worker->narrow(0, j * chunk, chunk) : at::Tensor();
-    payloads.push_back(encode(spec, x.narrow(0, j * chunk, chunk), err_worker ? &e : nullptr));
+    encode_into(spec, x.narrow(0, j * chunk, chunk), err_worker ? &e : nullptr,
+                send.narrow(0, j * pb, pb));
   }
-  at::Tensor send = at::cat(payloads);
   at::Tensor recv = at::empty_like(send);
-  const std::int64_t pb = payloads[0].numel();
   std::vector<std::int64_t> splits;  // equal splits
   run("compressed reduce-scatter (all-to-all)", group,
       [&] { return pg.alltoall_base(recv, send, splits, splits); });
@@ -260,13 +266,17 @@ CommStats compressed_all_reduce(at::Tensor& buf, const Spec& spec,
     case Kind::kPowerSGD: powersgd_all_reduce(spec, x, state, layout, group_name, *pg, st); break;
     default: {
       const std::int64_t c = padded_chunk(spec, n, world);
-      at::Tensor padded = at::zeros({c * world}, x.options());
-      padded.narrow(0, 0, n).copy_(x);
+      // Work in place when the buffer is already a whole number of chunks.
+      at::Tensor padded = x;
+      if (c * world != n) {
+        padded = at::zeros({c * world}, x.options());
+        padded.narrow(0, 0, n).copy_(x);
+      }
       const at::Tensor* ew = state.empty() ? nullptr : &state[0];
       const at::Tensor* es = state.empty() ? nullptr : &state[1];
       at::Tensor mine = two_phase_scatter(spec, padded, ew, group_name, *pg, st);
       two_phase_gather(spec, mine, es, padded, group_name, *pg, st);
-      x.copy_(padded.narrow(0, 0, n));
+      if (!padded.is_same(x)) x.copy_(padded.narrow(0, 0, n));
     }
   }
   if (average) x.div_(static_cast<double>(world));
@@ -322,9 +332,9 @@ class AsyncEngine {
     const std::int64_t handle = next_++;
     futures_.emplace(handle, task.get_future());
     Worker& w = workers_[group];
-    if (!w.thread.joinable()) {
-      w.thread = std::thread([&w] { w.loop(); });
-      w.thread.detach();  // blocked collectives must not hang process exit
+    if (!w.started) {  // exactly one thread per group keeps its collectives in order
+      w.started = true;
+      std::thread([&w] { w.loop(); }).detach();  // blocked collectives must not hang exit
     }
     {
       std::lock_guard<std::mutex> wl(w.mu);
@@ -352,7 +362,7 @@ class AsyncEngine {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<std::packaged_task<CommStats()>> queue;
-    std::thread thread;
+    bool started = false;
     void loop() {
       for (;;) {
         std::packaged_task<CommStats()> task;
