@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -168,20 +169,33 @@ void powersgd_all_reduce(const Spec& spec, at::Tensor& x, const std::vector<at::
   const std::int64_t world = pg.getSize();
   at::Tensor err = state[0];
   err.add_(x);  // compensated
-  at::Tensor covered = at::zeros({x.numel()}, x.options().dtype(at::kBool));
   std::vector<at::Tensor> ms, ps;
   const std::size_t m = layout.size() / 3;
+  // The gaps between matrices (biases, norms) travel uncompressed: contiguous
+  // ranges, gathered with narrow() instead of index masks over the buffer.
+  std::vector<std::pair<std::int64_t, std::int64_t>> order;  // (offset, numel)
   for (std::size_t i = 0; i < m; ++i) {
     const std::int64_t off = layout[3 * i], rows = layout[3 * i + 1], cols = layout[3 * i + 2];
     ms.push_back(err.narrow(0, off, rows * cols).view({rows, cols}));
-    covered.narrow(0, off, rows * cols).fill_(true);
     ps.push_back(at::matmul(ms.back(), state[1 + i]));  // [rows, r]
+    order.emplace_back(off, rows * cols);
   }
-  // The rest (biases, norms) travels uncompressed, from the compensated buffer.
-  at::Tensor rest_idx = at::nonzero(covered.logical_not()).squeeze(1);
-  at::Tensor rest = err.index_select(0, rest_idx);
-  err.index_fill_(0, rest_idx, 0.0);
-  if (rest.numel() > 0) plain_all_reduce(rest, group, pg, st);
+  std::sort(order.begin(), order.end());
+  std::vector<std::pair<std::int64_t, std::int64_t>> gaps;
+  std::int64_t cursor = 0;
+  for (const auto& [off, len] : order) {
+    if (off > cursor) gaps.emplace_back(cursor, off - cursor);
+    cursor = std::max(cursor, off + len);
+  }
+  if (cursor < x.numel()) gaps.emplace_back(cursor, x.numel() - cursor);
+  at::Tensor rest;
+  if (!gaps.empty()) {
+    std::vector<at::Tensor> parts;
+    for (const auto& [off, len] : gaps) parts.push_back(err.narrow(0, off, len));
+    rest = at::cat(parts);
+    for (const auto& [off, len] : gaps) err.narrow(0, off, len).zero_();  // sent exactly
+    plain_all_reduce(rest, group, pg, st);
+  }
   if (m > 0) {
     std::vector<at::Tensor> flat_ps;
     for (auto& p : ps) flat_ps.push_back(p.reshape(-1));
@@ -211,7 +225,11 @@ void powersgd_all_reduce(const Spec& spec, at::Tensor& x, const std::vector<at::
       ms[i].sub_(at::matmul(ps[i], local_qs[i].t()));  // residual: M_i - P P^T M_i
     }
   }
-  if (rest.numel() > 0) x.index_copy_(0, rest_idx, rest);
+  std::int64_t at_rest = 0;
+  for (const auto& [off, len] : gaps) {
+    x.narrow(0, off, len).copy_(rest.narrow(0, at_rest, len));
+    at_rest += len;
+  }
 }
 
 std::int64_t round_up(std::int64_t a, std::int64_t b) { return (a + b - 1) / b * b; }
