@@ -8,22 +8,10 @@ bytes each kernel must move: encode reads x and err and writes err and the
 payload; decode reads the payload and writes float32.
 """
 
-import torch
+from gpu_timing import timed_ms
 
 import megatronapp  # noqa: F401
-
-
-def timed_ms(fn, iters=50):
-    for _ in range(5):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+import torch
 
 
 def main():

@@ -59,11 +59,11 @@ def teardown():
 def rank_main(rank, port, steps, modes, local=False):
     if not local:
         os.environ["GLOO_SOCKET_IFNAME"] = DEV[rank]
-    import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     import megatronapp as mapp
+    import torch
     from megatronapp.data import TextDataset, default_corpus
     from megatronapp.models import GPTConfig, GPTModel
 

@@ -12,23 +12,11 @@ import socket
 
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpu_timing import timed_ms
 
 import megatronapp as mapp
 import torch
 from megatronapp.tensor_parallel import vocab_parallel_cross_entropy
-
-
-def timed(fn, iters=50, warmup=10):
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -43,7 +31,7 @@ def main():
     for tokens, vocab in [(8192, 50304), (16384, 32000), (4096, 128256)]:
         logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         target = torch.randint(0, vocab, (tokens,), device="cuda")
-        stats_ms = timed(lambda: torch.ops.mapp.vocab_ce_local_stats(logits, target, 0))
+        stats_ms = timed_ms(lambda: torch.ops.mapp.vocab_ce_local_stats(logits, target, 0))
 
         def ours():
             vocab_parallel_cross_entropy(logits, target).sum().backward()
@@ -51,7 +39,7 @@ def main():
         def theirs():
             F.cross_entropy(logits.float(), target, reduction="none").sum().backward()
 
-        a, b = timed(ours, 20, 5), timed(theirs, 20, 5)
+        a, b = timed_ms(ours, 20, 5), timed_ms(theirs, 20, 5)
         print(f"{tokens:>8} {vocab:>7} {stats_ms:>9.3f} {a:>12.3f} {b:>13.3f} {b / a:>6.2f}x")
     mapp.destroy_model_parallel()
     dist.destroy_process_group()
