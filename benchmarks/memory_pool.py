@@ -31,6 +31,9 @@ CONFIGS = {
     "gpt_tp2_dp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "gpt_tp4": ["--tensor-model-parallel-size", "4"],
     "gpt_dp4": ["--tensor-model-parallel-size", "1"],
+    "gpt_tp2_dp2_zero1": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+    "gpt_dp4_zero1_int8": ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer",
+                           "--grad-compression", "int8"],
 }
 
 
