@@ -84,8 +84,7 @@ class DistributedOptimizer:
 
     # ---- the step -------------------------------------------------------------
     def _load_grads(self) -> None:
-        if self.ddp._callback_queued:
-            self.ddp.finish_grad_sync()
+        self.ddp.finish_grad_sync()  # no-op when backward already finished it
         for b, _p, lo, hi, main in self.pieces:
             chunk = b.param_data.numel() // self.world
             main.grad = b.shard[lo - self.rank * chunk: hi - self.rank * chunk]

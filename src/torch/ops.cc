@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "mapp/common/check.h"
 #include "mapp/tp/cross_entropy.h"
 #include "mapp/torch/ops.h"
@@ -65,8 +67,12 @@ at::Tensor vocab_ce_local_stats_cpu_checked(const at::Tensor& logits, const at::
 }
 
 std::vector<std::string> registered_ops() {
-  return {"mapp::all_reduce_", "mapp::all_gather", "mapp::reduce_scatter",
-          "mapp::group_size", "mapp::vocab_ce_local_stats", "mapp::empty_staging"};
+  std::vector<std::string> names;
+  for (const c10::OperatorName& op : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (op.name.rfind("mapp::", 0) == 0) names.push_back(op.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 bool built_with_cuda() {
