@@ -268,6 +268,12 @@ def train(args) -> dict:
               f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (validation "
               f"{summary['valid_loss']:.3f}), {summary['tokens_per_s']:,.0f} tokens/s; "
               f"loss curve in {args.output_dir}/loss.csv and loss.png", flush=True)
+        comm = summary["comm"]
+        if state.dp_size > 1 and comm["raw_bytes"]:
+            print(f"[megatronapp] data-parallel traffic per step: "
+                  f"{comm['sent_bytes'] / 1e6:.2f} MB sent ({args.grad_compression}; "
+                  f"{100 * comm['sent_bytes'] / comm['raw_bytes']:.0f}% of uncompressed)",
+                  flush=True)
         if args.memory_pool:
             print(memory.summary(mem_device), end="", flush=True)
     ps.destroy_model_parallel()

@@ -2,6 +2,8 @@
 the uncompressed run's validation loss (the short version of
 benchmarks/compression_quality.py: 200 steps of a small model on 2 ranks)."""
 
+import pytest
+
 from dist_harness import run_ranks
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -29,6 +31,7 @@ def _train_all(rank, world, out_dir):
     return results
 
 
+@pytest.mark.timeout(900)  # 14 training runs; ~100 s on the 2-core machine
 def test_every_codec_trains_within_three_percent(tmp_path):
     res = run_ranks(_train_all, 2, str(tmp_path), timeout=900)[0]
     for zero in (False, True):
