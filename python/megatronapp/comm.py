@@ -55,8 +55,10 @@ def parse_compression(value: None | str | Compression) -> Compression | None:
     raise ValueError(f"compression must be a spec string or a Compression, got {value!r}")
 
 
-def _state_tensors(spec: str, numel: int, world: int, layout: list, device,
-                   seed: int = 0) -> list:
+def codec_state(spec: str, numel: int, world: int, layout: list, device,
+                seed: int = 0) -> list:
+    """Fresh state tensors of a codec for a `numel` buffer over `world` ranks:
+    zero residuals, and PowerSGD's Q drawn from `seed` (identical on every rank)."""
     flat = torch.ops.mapp.codec_state_shapes(spec, numel, world, layout)
     shapes, i = [], 0
     while i < len(flat):
@@ -88,7 +90,7 @@ class CompressedAllReduce:
         self.layout = [int(v) for triple in (layout or []) for v in triple]
         self.calls = 0
         spec = self.compression.spec if self.compression else "none"
-        self.state = _state_tensors(spec, numel, self.group.size(), self.layout,
+        self.state = codec_state(spec, numel, self.group.size(), self.layout,
                                     device or "cpu", seed)
 
     @property
@@ -152,6 +154,6 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
     c = parse_compression(compression)
     spec = c.spec if c else "none"
     flat = tensor.reshape(-1)
-    state = _state_tensors(spec, flat.numel(), group.size(), [], tensor.device)
+    state = codec_state(spec, flat.numel(), group.size(), [], tensor.device)
     return torch.ops.mapp.compressed_reduce_scatter(flat, spec, state, [], average,
                                                     group.group_name)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import _collectives
-from .comm import _state_tensors, parse_compression
+from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
 
 __all__ = ["DistributedDataParallel"]
@@ -248,7 +248,7 @@ class DistributedDataParallel(nn.Module):
         spec = self._spec()
         if spec not in b.state:
             layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
-            b.state[spec] = (_state_tensors(spec, b.grad_data.numel(), self.world, layout,
+            b.state[spec] = (codec_state(spec, b.grad_data.numel(), self.world, layout,
                                             b.grad_data.device, seed=b.index), layout)
         state, layout = b.state[spec]
         name = self.group.group_name

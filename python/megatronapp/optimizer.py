@@ -30,6 +30,7 @@ parameters.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,18 @@ from .tensor_parallel.utils import is_tensor_parallel
 from .training import _coalesced_all_reduce_
 
 __all__ = ["DistributedOptimizer"]
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter inside this rank's chunk of a bucket."""
+
+    bucket: object
+    param: torch.Tensor
+    lo: int  # range in bucket coordinates
+    hi: int
+    shard_lo: int  # the same range relative to this rank's chunk
+    main: torch.Tensor  # float32 copy the inner optimizer updates
 
 
 class DistributedOptimizer:
@@ -68,30 +81,33 @@ class DistributedOptimizer:
         self.pieces = []
         by_group = [[] for _ in group_opts]
         for b in ddp.buckets:
-            chunk = b.param_data.numel() // self.world
-            s_lo, s_hi = self.rank * chunk, (self.rank + 1) * chunk
+            s_lo, s_hi = self._chunk_range(b)
             for p, off in zip(b.params, b.offsets, strict=True):
                 lo, hi = max(off, s_lo), min(off + p.numel(), s_hi)
                 if lo >= hi:
                     continue
                 main = b.param_data[lo:hi].detach().float().clone()
-                self.pieces.append((b, p, lo, hi, main))
+                self.pieces.append(_Piece(b, p, lo, hi, lo - s_lo, main))
                 by_group[options.get(p, 0)].append(main)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self._sp_done = False
         self.param_groups = self.optimizer.param_groups
 
+    def _chunk_range(self, b) -> tuple:
+        """[lo, hi) of this rank's chunk of bucket b."""
+        chunk = b.param_data.numel() // self.world
+        return self.rank * chunk, (self.rank + 1) * chunk
+
     # ---- the step -------------------------------------------------------------
     def _load_grads(self) -> None:
         self.ddp.finish_grad_sync()  # no-op when backward already finished it
-        for b, _p, lo, hi, main in self.pieces:
-            chunk = b.param_data.numel() // self.world
-            main.grad = b.shard[lo - self.rank * chunk: hi - self.rank * chunk]
+        for pc in self.pieces:
+            pc.main.grad = pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
         # Sequence-parallel parameters saw only their sequence shard: their
         # gradients are partial sums over the tensor group (same shard ranges on
         # every tensor rank: the buckets are identical).
-        sp = [m.grad for _b, p, _lo, _hi, m in self.pieces if getattr(p, "sequence_parallel", False)]
+        sp = [pc.main.grad for pc in self.pieces if getattr(pc.param, "sequence_parallel", False)]
         if sp and self.state_mp is not None and self.state_mp.tp_size > 1 and not self._sp_done:
             _coalesced_all_reduce_(sp, self.state_mp.tensor_group)
         self._sp_done = True
@@ -103,9 +119,9 @@ class DistributedOptimizer:
         self._load_grads()
         sq = torch.zeros(1, dtype=torch.float64)
         tp_rank = self.state_mp.tp_rank if self.state_mp else 0
-        for _b, p, _lo, _hi, main in self.pieces:
-            if is_tensor_parallel(p) or tp_rank == 0:
-                sq += main.grad.double().pow(2).sum().cpu()
+        for pc in self.pieces:
+            if is_tensor_parallel(pc.param) or tp_rank == 0:
+                sq += pc.main.grad.double().pow(2).sum().cpu()
         _collectives.all_reduce_sum_(sq, self.group)
         if self.state_mp is not None:
             _collectives.all_reduce_sum_(sq, self.state_mp.model_group)
@@ -121,18 +137,17 @@ class DistributedOptimizer:
         self._load_grads()
         self.optimizer.step()
         self._sp_done = False
-        for b, _p, lo, hi, main in self.pieces:
-            b.param_data[lo:hi].copy_(main)
+        for pc in self.pieces:
+            pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
         for b in self.ddp.buckets:
-            chunk = b.param_data.numel() // self.world
-            mine = b.param_data[self.rank * chunk: (self.rank + 1) * chunk].contiguous()
-            b.param_data.copy_(_collectives.all_gather(mine, 0, self.group))
+            lo, hi = self._chunk_range(b)
+            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, self.group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.ddp.buckets:
             b.grad_data.zero_()
-        for *_rest, main in self.pieces:
-            main.grad = None
+        for pc in self.pieces:
+            pc.main.grad = None
 
     # ---- introspection ----------------------------------------------------------
     def state_bytes(self) -> int:
@@ -146,7 +161,7 @@ class DistributedOptimizer:
 
     def main_param_bytes(self) -> int:
         """Bytes of this rank's float32 main parameters."""
-        return sum(m.numel() * m.element_size() for *_r, m in self.pieces)
+        return sum(pc.main.numel() * pc.main.element_size() for pc in self.pieces)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

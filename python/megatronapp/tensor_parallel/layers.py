@@ -2,7 +2,7 @@
 
 Weights are created as the full (master) matrix from the global RNG and then
 sliced, so for a given seed the model computes the same function at every
-tensor-parallel size (see ``utils.init_sharded_``). Pass ``init_method`` to
+tensor-parallel size (see ``utils.sharded_parameter``). Pass ``init_method`` to
 replace the default initialization (that of ``nn.Linear`` / ``nn.Embedding``);
 it is applied to the full tensor.
 
@@ -22,14 +22,17 @@ from torch import nn
 
 from ..parallel_state import ParallelState
 from . import mappings
-from .utils import divide, init_sharded_, resolve_state, set_tensor_model_parallel_attributes
+from .utils import divide, resolve_state, sharded_parameter
 
 
 def _linear_weight_init(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # as nn.Linear.reset_parameters
 
 
-def _linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], None]:
+def _bias_init(fan_in: int, init_method) -> Callable[[torch.Tensor], None]:
+    """nn.Linear's bias init by default; zeros when a custom init_method is given."""
+    if init_method is not None:
+        return nn.init.zeros_
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     return lambda b: nn.init.uniform_(b, -bound, bound)
 
@@ -67,19 +70,15 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.group = state.tensor_group
-        tp, rank = state.tp_size, state.tp_rank
+        tp = state.tp_size
         self.output_size_per_partition = divide(
             out_features, tp, "ColumnParallelLinear out_features")
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features, **kw))
-        init_sharded_(self.weight, (out_features, in_features), 0, rank, tp,
-                      init_method or _linear_weight_init)
-        set_tensor_model_parallel_attributes(self.weight, 0)
+        self.weight = sharded_parameter((out_features, in_features), 0, state,
+                                        init_method or _linear_weight_init, **kw)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, **kw))
-            init_sharded_(self.bias, (out_features,), 0, rank, tp,
-                          _linear_bias_init(in_features) if init_method is None else nn.init.zeros_)
-            set_tensor_model_parallel_attributes(self.bias, 0)
+            self.bias = sharded_parameter((out_features,), 0, state,
+                                          _bias_init(in_features, init_method), **kw)
         else:
             self.register_parameter("bias", None)
 
@@ -130,17 +129,14 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.group = state.tensor_group
-        tp, rank = state.tp_size, state.tp_rank
+        tp = state.tp_size
         self.input_size_per_partition = divide(in_features, tp, "RowParallelLinear in_features")
         kw = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition, **kw))
-        init_sharded_(self.weight, (out_features, in_features), 1, rank, tp,
-                      init_method or _linear_weight_init)
-        set_tensor_model_parallel_attributes(self.weight, 1)
+        self.weight = sharded_parameter((out_features, in_features), 1, state,
+                                        init_method or _linear_weight_init, **kw)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **kw))
-            init_sharded_(self.bias, (out_features,), 0, 0, 1,
-                          _linear_bias_init(in_features) if init_method is None else nn.init.zeros_)
+            self.bias = sharded_parameter((out_features,), None, state,
+                                          _bias_init(in_features, init_method), **kw)
             # Under sequence parallelism each rank adds the bias to its own
             # sequence shard, so its gradient is a partial sum over the group.
             self.bias.sequence_parallel = sequence_parallel
@@ -194,11 +190,8 @@ class VocabParallelEmbedding(nn.Module):
             num_embeddings, tp, "VocabParallelEmbedding num_embeddings (vocabulary size)")
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(
-            self.num_embeddings_per_partition, embedding_dim, dtype=dtype, device=device))
-        init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, rank, tp,
-                      init_method or nn.init.normal_)
-        set_tensor_model_parallel_attributes(self.weight, 0)
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, state,
+                                        init_method or nn.init.normal_, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):

@@ -44,22 +44,29 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
-def init_sharded_(
-    param: torch.Tensor,
+def sharded_parameter(
     full_shape: tuple,
-    partition_dim: int,
-    rank: int,
-    world: int,
+    partition_dim: int | None,
+    state: ParallelState,
     init_method: Callable[[torch.Tensor], None],
-) -> None:
-    """Initializes the full (master) weight on the CPU with the global RNG, then
-    keeps this rank's slice. Every rank draws the same full weight (seed them
-    identically), so a model is the same function for every tensor-parallel size."""
+    dtype: torch.dtype | None = None,
+    device=None,
+) -> torch.nn.Parameter:
+    """This rank's slice of a parameter split along `partition_dim` over the
+    tensor group (None: replicated, the whole tensor).
+
+    The full (master) tensor is initialized on the CPU with the global RNG and
+    sliced: every rank draws the same full tensor (seed them identically), so a
+    model is the same function for every tensor-parallel size. Split parameters
+    get the tensor_model_parallel / partition_dim / partition_stride attributes."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
-    part = full.chunk(world, dim=partition_dim)[rank]
-    with torch.no_grad():
-        param.copy_(part)
+    if partition_dim is not None:
+        full = full.chunk(state.tp_size, dim=partition_dim)[state.tp_rank]
+    param = torch.nn.Parameter(full.to(dtype=dtype or torch.get_default_dtype(), device=device))
+    if partition_dim is not None:
+        set_tensor_model_parallel_attributes(param, partition_dim)
+    return param
 
 
 def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, state: ParallelState) -> torch.Tensor:
