@@ -10,7 +10,7 @@ PY           := $(VENV)/bin/python
 STAMPS       := .stamps
 TORCH_SPEC   := torch==2.11.0
 BUILD_DIR    := build/py
-APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev \
+APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev nlohmann-json3-dev \
                 libgtest-dev libbenchmark-dev python3-dev python3-venv
 SUDO         := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NPROC        ?= 4

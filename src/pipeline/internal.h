@@ -1,0 +1,29 @@
+// Shared helpers of the schedule library (not installed).
+#pragma once
+
+#include <string>
+
+#include "mapp/pipeline/schedule.h"
+
+namespace mapp::pipeline::internal {
+
+// Virtual-stage arithmetic: chunk c of stage s is virtual stage c * p + s.
+struct Topo {
+  int p, v;
+  int vstage(int stage, int chunk) const { return chunk * p + stage; }
+  int stage_of(int vs) const { return vs % p; }
+  int chunk_of(int vs) const { return vs / p; }
+  int last() const { return p * v - 1; }
+};
+
+void check_shape(int p, int m, int v, const char* what);
+Schedule empty(const std::string& name, int p, int m, int v);
+
+// Largest number of live activations (microbatch x chunk units) that
+// (interleaved) 1F1B keeps on `stage`.
+inline int one_f_one_b_peak(int p, int m, int v, int stage) {
+  const int warmup = v == 1 ? p - stage - 1 : (p - stage - 1) * 2 + (v - 1) * p;
+  return warmup + 1 < m * v ? warmup + 1 : m * v;
+}
+
+}  // namespace mapp::pipeline::internal
