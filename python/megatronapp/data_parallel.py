@@ -23,6 +23,11 @@ How it works:
   again is a no-op.
 * Gradients are averaged (SUM, then divide: Gloo's AVG has a known bug).
 * ``no_sync()`` skips synchronization (gradient accumulation), like torch DDP.
+* Under pipeline parallelism (``megatronapp.pipeline.forward_backward``) the
+  executor enables synchronization only for the last backward of each
+  microbatch-chunk, so a chunk's buckets start reducing as soon as its last
+  weight gradient is done, and calls ``finish_grad_sync()`` at the end of the
+  step (``finish_at_backward_end = False``).
 * With a :class:`~megatronapp.optimizer.DistributedOptimizer` (ZeRO-1) the
   buckets are reduce-scattered instead: each rank receives the averaged
   float32 gradients of the shard it owns, and parameters are views into
@@ -109,6 +114,9 @@ class DistributedDataParallel(nn.Module):
                 for p in module.parameters():
                     dist.broadcast(p.data, src=src, group=self.group)
         self._sync_enabled = True
+        #: False while a pipeline executor runs several backward passes per step
+        #: and calls finish_grad_sync() itself.
+        self.finish_at_backward_end = True
         self._zero = False
         self._callback_queued = False
         self._sync_steps = 0
@@ -231,7 +239,8 @@ class DistributedDataParallel(nn.Module):
                 return
             if not self._callback_queued:
                 self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+                if self.finish_at_backward_end:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
             b = self._param_bucket[p]
             b.ready.add(id(param))
             if self.overlap_grad_reduce:

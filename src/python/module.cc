@@ -10,6 +10,7 @@
 #include "mapp/common/tunables.h"
 #include "mapp/memory/pool.h"
 #include "mapp/memory/trace.h"
+#include "mapp/pipeline/schedule.h"
 #include "mapp/topology/rank_grid.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
@@ -182,6 +183,83 @@ void register_memory(py::module_& m) {
 #endif
 }
 
+void register_pipeline(py::module_& parent) {
+  namespace pl = mapp::pipeline;
+  auto m = parent.def_submodule("pipeline", "Pipeline schedules (C++ core)");
+  py::class_<pl::Action>(m, "Action")
+      .def(py::init([](const std::string& type, int mb, int chunk, int peer) {
+             return pl::Action{pl::parse_type(type), mb, chunk, peer};
+           }),
+           py::arg("type"), py::arg("microbatch"), py::arg("chunk") = 0, py::arg("peer") = -1)
+      .def_property_readonly("type", [](const pl::Action& a) { return pl::type_name(a.type); })
+      .def_readonly("microbatch", &pl::Action::microbatch)
+      .def_readonly("chunk", &pl::Action::chunk)
+      .def_readonly("peer", &pl::Action::peer)
+      .def_property_readonly("is_compute", &pl::Action::is_compute)
+      .def("__eq__", &pl::Action::operator==)
+      .def("__hash__", [](const pl::Action& a) {
+        return py::hash(py::make_tuple(static_cast<int>(a.type), a.microbatch, a.chunk, a.peer));
+      })
+      .def("__repr__", [](const pl::Action& a) { return pl::to_string(a); });
+  py::class_<pl::Schedule>(m, "Schedule")
+      .def(py::init([](const std::string& name, int stages, int microbatches, int chunks,
+                       std::vector<std::vector<pl::Action>> actions) {
+             pl::Schedule s{name, stages, microbatches, chunks, std::move(actions)};
+             pl::add_communication(s);
+             pl::check_valid(s);
+             return s;
+           }),
+           py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("chunks"),
+           py::arg("actions"))
+      .def_readonly("name", &pl::Schedule::name)
+      .def_readonly("stages", &pl::Schedule::stages)
+      .def_readonly("microbatches", &pl::Schedule::microbatches)
+      .def_readonly("chunks", &pl::Schedule::chunks)
+      .def("actions", [](const pl::Schedule& s, int stage) {
+        MAPP_CHECK(stage >= 0 && stage < s.stages, "stage ", stage, " out of range [0, ",
+                   s.stages, ")");
+        return s.actions[stage];
+      }, py::arg("stage"))
+      .def("peak_activations", &pl::Schedule::peak_activations, py::arg("stage"))
+      .def("validate", [](const pl::Schedule& s) { return pl::validate(s); })
+      .def("to_csv", &pl::to_csv)
+      .def("to_json", &pl::to_json);
+  m.def("from_csv", &pl::from_csv);
+  m.def("from_json", &pl::from_json);
+  m.def("gpipe", &pl::gpipe, py::arg("p"), py::arg("m"));
+  m.def("one_f_one_b", &pl::one_f_one_b, py::arg("p"), py::arg("m"));
+  m.def("interleaved", &pl::interleaved, py::arg("p"), py::arg("m"), py::arg("v"));
+  m.def("zero_bubble", &pl::zero_bubble, py::arg("p"), py::arg("m"));
+  py::class_<pl::Costs>(m, "Costs")
+      .def(py::init([](std::vector<double> f, std::vector<double> bi, std::vector<double> bw,
+                       std::vector<double> p2p) {
+             return pl::Costs{std::move(f), std::move(bi), std::move(bw), std::move(p2p)};
+           }),
+           py::arg("forward"), py::arg("backward_input"), py::arg("backward_weight"),
+           py::arg("p2p"))
+      .def_readonly("forward", &pl::Costs::forward)
+      .def_readonly("backward_input", &pl::Costs::backward_input)
+      .def_readonly("backward_weight", &pl::Costs::backward_weight)
+      .def_readonly("p2p", &pl::Costs::p2p);
+  m.def("dynamic", [](int p, int mb, int v, const std::string& policy,
+                      std::optional<int> memory_limit, std::optional<pl::Costs> costs) {
+    return pl::dynamic(p, mb, v, pl::parse_policy(policy), memory_limit, costs);
+  }, py::arg("p"), py::arg("m"), py::arg("v"), py::arg("policy"), py::arg("memory_limit"),
+     py::arg("costs"));
+  py::class_<pl::SimResult>(m, "SimResult")
+      .def_readonly("makespan", &pl::SimResult::makespan)
+      .def_readonly("bubble_fraction", &pl::SimResult::bubble_fraction)
+      .def_readonly("busy", &pl::SimResult::busy)
+      .def_readonly("peak_activations", &pl::SimResult::peak_activations)
+      .def_property_readonly("timeline", [](const pl::SimResult& r) {
+        py::list out;
+        for (const auto& e : r.timeline) out.append(py::make_tuple(e.stage, e.action, e.start, e.end));
+        return out;
+      });
+  m.def("simulate", &pl::simulate, py::arg("schedule"), py::arg("costs"));
+  m.def("chrome_trace", &pl::chrome_trace, py::arg("schedule"), py::arg("result"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -190,4 +268,5 @@ PYBIND11_MODULE(_C, m) {
   register_common(m);
   register_topology(m);
   register_memory(m);
+  register_pipeline(m);
 }

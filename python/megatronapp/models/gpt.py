@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..parallel_state import ParallelState
+from ..pipeline.weight_grad import linear
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -181,7 +182,7 @@ class GPTModel(nn.Module):
                 x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
             else:
                 x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
-            logits = F.linear(x, self.word_embeddings.weight)  # [s, b, V/tp]
+            logits = linear(x, self.word_embeddings.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group=self.group)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..parallel_state import ParallelState
+from ..pipeline.weight_grad import linear
 from . import mappings
 from .utils import divide, resolve_state, sharded_parameter
 
@@ -87,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
         return y
@@ -146,7 +147,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

@@ -1,0 +1,84 @@
+"""Adaptive re-planning: the dynamic planner fed with measured times.
+
+    sched = AdaptiveSchedule(p, m, interval=10)
+    for step in range(steps):
+        result = forward_backward(sched.schedule, chunks, data, loss_fn, tensor_shape=...)
+        sched.observe(result)
+
+Every rank records its own stage's mean F / BI / W times and the time its
+sends took to complete; every `interval` steps one all-reduce over the world
+(not one per decision) averages them per stage and link, and every rank
+re-plans ``Schedule.dynamic(policy="adaptive", costs=measured)`` — the same
+deterministic computation on the same numbers, so every rank (and every
+data-parallel replica) gets the same plan. A full backward B is split evenly
+between BI and W for the model.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch.distributed as dist
+
+import torch
+
+from ..parallel_state import ParallelState
+from ..tensor_parallel.utils import resolve_state
+from .executor import PipelineResult
+from .schedules import Schedule, costs
+
+__all__ = ["AdaptiveSchedule"]
+
+
+class AdaptiveSchedule:
+    def __init__(self, p: int, m: int, v: int = 1, memory_limit: int | None = None,
+                 interval: int = 10, parallel_state: ParallelState | None = None):
+        if interval < 1:
+            raise ValueError(f"AdaptiveSchedule: interval must be >= 1, got {interval}")
+        self.p, self.m, self.v, self.memory_limit, self.interval = p, m, v, memory_limit, interval
+        self.state = parallel_state
+        self.schedule = Schedule.dynamic(p, m, v, "adaptive", memory_limit)
+        self.costs = None  #: the measured costs of the last re-plan
+        self.replans = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        # columns: F, BI, W, samples; then per link: p2p sum, samples
+        self._stage = torch.zeros(self.p, 4, dtype=torch.float64)
+        self._link = torch.zeros(self.p, 2, dtype=torch.float64)
+        self._steps = 0
+
+    def observe(self, result: PipelineResult) -> bool:
+        """Records one step; every `interval` calls re-plans (collective over the
+        world: call it on every rank). Returns True when the schedule changed."""
+        state = resolve_state(self.state)
+        stage = state.pp_rank
+        t = result.compute_time
+        if "B" in t:
+            bi = bw = t["B"] / 2
+        else:
+            bi, bw = t.get("BI", 0.0), t.get("W", 0.0)
+        self._stage[stage] += torch.tensor([t.get("F", 0.0), bi, bw, 1.0], dtype=torch.float64)
+        by_link: dict = {}
+        for link, dt in zip(result.send_link, result.send_time, strict=True):
+            by_link.setdefault(link, []).append(dt)
+        for link, dts in by_link.items():
+            self._link[link] += torch.tensor([statistics.median(dts), 1.0], dtype=torch.float64)
+        self._steps += 1
+        if self._steps < self.interval:
+            return False
+        both = torch.cat([self._stage.flatten(), self._link.flatten()])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both)
+        stage_t = both[: self.p * 4].view(self.p, 4)
+        link_t = both[self.p * 4:].view(self.p, 2)
+        n = stage_t[:, 3].clamp(min=1)
+        f, bi, bw = (stage_t[:, i] / n for i in range(3))
+        p2p = link_t[:, 0] / link_t[:, 1].clamp(min=1)
+        self.costs = costs(self.p, f.tolist(), bi.tolist(), bw.tolist(), p2p.tolist())
+        old = [self.schedule.actions(s) for s in range(self.p)]
+        self.schedule = Schedule.dynamic(self.p, self.m, self.v, "adaptive", self.memory_limit,
+                                         self.costs)
+        self.replans += 1
+        self._reset()
+        return old != [self.schedule.actions(s) for s in range(self.p)]

@@ -1,0 +1,270 @@
+"""The pipeline executor: runs this rank's actions of a schedule.
+
+    result = forward_backward(schedule, model_chunks, data_iterator, loss_fn,
+                              tensor_shape=(seq, micro_batch, hidden))
+    result.losses            # last stage: one loss per microbatch
+
+Semantics (those the validator and simulator assume): actions run in order;
+RECV_* posts a non-blocking receive and SEND_* a non-blocking send (several
+transfers in flight, matched by tag = (kind, microbatch, virtual stage)); F, B
+and BI wait only for their own input. BI computes the input gradient with the
+linear layers' weight gradients deferred (``weight_grad``) and W computes
+them. ``data_iterator`` yields ``(inputs, target)`` per microbatch: the first
+virtual stage feeds ``inputs`` to chunk 0 and the last computes
+``loss_fn(output, target)``; the loss is divided by the number of
+microbatches before backward, so gradients are the mean over microbatches.
+
+Chunks wrapped in :class:`~megatronapp.data_parallel.DistributedDataParallel`
+synchronize only during their final backward (and final W), so a chunk's
+data-parallel reduction starts as soon as its last weight gradient is done,
+while other chunks still compute; the executor waits for all of them at the
+end of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+import torch
+
+from ..data_parallel import DistributedDataParallel
+from ..parallel_state import ParallelState
+from ..tensor_parallel.utils import resolve_state
+from . import weight_grad
+from .schedules import Schedule
+
+__all__ = ["forward_backward", "PipelineResult"]
+
+_COMPUTE = ("F", "B", "BI", "W")
+
+
+@dataclass
+class PipelineResult:
+    losses: list = field(default_factory=list)  #: last stage: per-microbatch loss (detached)
+    peak_activations: int = 0  #: most microbatch-chunk activations held at once
+    compute_time: dict = field(default_factory=dict)  #: type -> mean seconds per action
+    recv_wait_time: float = 0.0  #: seconds spent waiting for inputs
+    send_time: list = field(default_factory=list)  #: per send: seconds until seen complete
+    send_link: list = field(default_factory=list)  #: per send: link s (stage s <-> s+1)
+    step_time: float = 0.0
+
+
+class _P2P:
+    """Non-blocking sends and receives to pipeline peers, matched by tag."""
+
+    def __init__(self, state: ParallelState, schedule: Schedule, shape, dtype, device):
+        self.stage = state.pp_rank
+        self.group = state.pipeline_group
+        self.ranks = state.group_ranks["pp"]
+        self.p, self.m = schedule.stages, schedule.microbatches
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.recvs: dict = {}
+        self.sends: list = []  # (work, tensor, t_post, peer)
+        self.result: PipelineResult | None = None
+
+    def tag(self, kind: int, mb: int, vstage: int) -> int:
+        return (vstage * self.m + mb) * 2 + kind
+
+    def post_recv(self, key, peer: int) -> None:
+        if self.shape is None:
+            raise ValueError("forward_backward: tensor_shape is required with more than one "
+                             "pipeline stage (the shape of the activations between stages, "
+                             "e.g. (seq_length, micro_batch_size, hidden_size))")
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        work = dist.irecv(buf, src=self.ranks[peer], group=self.group, tag=self.tag(*key))
+        self.recvs[key] = (work, buf)
+
+    def wait_recv(self, key) -> torch.Tensor:
+        work, buf = self.recvs.pop(key)
+        t0 = time.perf_counter()
+        work.wait()
+        self.result.recv_wait_time += time.perf_counter() - t0
+        return buf
+
+    def send(self, key, tensor: torch.Tensor, peer: int) -> None:
+        tensor = tensor.detach().contiguous()
+        if tuple(tensor.shape) != tuple(self.shape) or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"forward_backward: a stage produced a tensor of shape {tuple(tensor.shape)} "
+                f"and dtype {tensor.dtype} but tensor_shape={tuple(self.shape)}, "
+                f"dtype={self.dtype} were given; every stage boundary must match them")
+        work = dist.isend(tensor, dst=self.ranks[peer], group=self.group, tag=self.tag(*key))
+        link = self.stage if key[0] == 0 else peer  # activations go forward, gradients back
+        self.sends.append((work, tensor, time.perf_counter(), link))
+
+    def poll(self) -> None:
+        """Retires completed sends (and records how long they took)."""
+        now = time.perf_counter()
+        keep = []
+        for item in self.sends:
+            if item[0].is_completed():
+                self._retire(item, now)
+            else:
+                keep.append(item)
+        self.sends = keep
+
+    def _retire(self, item, now) -> None:
+        work, _, t0, link = item
+        work.wait()
+        self.result.send_time.append(now - t0)
+        self.result.send_link.append(link)
+
+    def finish(self) -> None:
+        for item in self.sends:
+            item[0].wait()
+            self._retire(item, time.perf_counter())
+        self.sends = []
+        if self.recvs:
+            raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
+
+
+def _final_backwards(actions, chunks: int) -> set:
+    """Indices of the actions during which a chunk's DDP must synchronize: its
+    last B/BI (gradients of non-deferred parameters) and its last B/W (matmul
+    weights)."""
+    last_input, last_weight, kinds = {}, {}, defaultdict(set)
+    for i, a in enumerate(actions):
+        if a.type in ("B", "BI"):
+            last_input[a.chunk] = i
+            kinds[a.chunk].add(a.type)
+        if a.type in ("B", "W"):
+            last_weight[a.chunk] = i
+    for c, k in kinds.items():
+        if len(k) > 1:
+            raise ValueError(f"forward_backward: chunk {c} mixes full backwards (B) and split "
+                             "ones (BI/W) on one stage; use one kind per chunk")
+    return set(last_input.values()) | set(last_weight.values())
+
+
+def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *,
+                     tensor_shape=None, dtype: torch.dtype = torch.float32,
+                     parallel_state: ParallelState | None = None,
+                     forward_only: bool = False) -> PipelineResult:
+    """Runs one step of `schedule` on this rank (its pipeline stage).
+
+    Args:
+        schedule: a :class:`Schedule` with ``stages`` = the pipeline size.
+        model_chunks: a module or a list of ``schedule.chunks`` modules (this
+            rank's chunks, in order), optionally DDP-wrapped.
+        data_iterator: yields ``(inputs, target)`` per microbatch; only used on
+            the first and last stage (None elsewhere is fine).
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        tensor_shape, dtype: shape and dtype of the tensors between stages.
+        forward_only: run the forwards only (evaluation), without autograd.
+    """
+    state = resolve_state(parallel_state)
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if p != state.pp_size:
+        raise ValueError(f"forward_backward: schedule '{schedule.name}' has {p} stages but the "
+                         f"pipeline-parallel size is {state.pp_size}")
+    if len(chunks) != v:
+        raise ValueError(f"forward_backward: schedule '{schedule.name}' has {v} chunks per stage "
+                         f"but {len(chunks)} model chunks were given")
+    stage = state.pp_rank
+    actions = schedule.actions(stage)
+    if forward_only:
+        actions = [a for a in actions if a.type in ("F", "SEND_ACT", "RECV_ACT")]
+    device = next(iter(chunks[0].parameters())).device
+    result = PipelineResult()
+    p2p = _P2P(state, schedule, tensor_shape, dtype, device)
+    p2p.result = result
+    final = set() if forward_only else _final_backwards(actions, v)
+    ddps = [c if isinstance(c, DistributedDataParallel) else None for c in chunks]
+    for d in ddps:
+        if d is not None:
+            d.finish_at_backward_end = False
+    last_vs = p * v - 1
+    batches: list = []
+
+    def batch(mb):
+        while len(batches) <= mb:
+            if data_iterator is None:
+                raise ValueError("forward_backward: this stage needs data but data_iterator is None")
+            batches.append(next(data_iterator))
+        return batches[mb]
+
+    stash: dict = {}  # (mb, chunk) -> (input, output)
+    wstore: dict = {}  # (mb, chunk) -> WeightGradStore
+    live = 0
+    times = defaultdict(list)
+    t_step = time.perf_counter()
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    try:
+        with grad_ctx:
+            for i, a in enumerate(actions):
+                mb, c = a.microbatch, a.chunk
+                vs = c * p + stage
+                if a.type == "RECV_ACT":
+                    p2p.post_recv((0, mb, vs), a.peer)
+                elif a.type == "RECV_GRAD":
+                    p2p.post_recv((1, mb, vs), a.peer)
+                elif a.type == "SEND_ACT":
+                    entry = stash.pop((mb, c)) if forward_only else stash[(mb, c)]
+                    p2p.send((0, mb, vs + 1), entry[1], a.peer)
+                elif a.type == "SEND_GRAD":
+                    p2p.send((1, mb, vs - 1), stash.pop((mb, c))[0].grad, a.peer)
+                else:
+                    if a.type == "F":
+                        x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs))
+                        if vs > 0 and not forward_only:
+                            x.requires_grad_(True)
+                    elif a.type in ("B", "BI") and vs < last_vs:
+                        dy = p2p.wait_recv((1, mb, vs))
+                    t0 = time.perf_counter()
+                    if a.type == "F":
+                        out = chunks[c](x)
+                        if vs == last_vs:
+                            loss = loss_fn(out, batch(mb)[1])
+                            result.losses.append(loss.detach())
+                            out = loss / m
+                        if not (forward_only and vs == last_vs):
+                            stash[(mb, c)] = (x, out)
+                        live += 1
+                        result.peak_activations = max(result.peak_activations, live)
+                    else:
+                        sync = (contextlib.nullcontext() if ddps[c] is None or i in final
+                                else ddps[c].no_sync())
+                        with sync:
+                            if a.type == "W":
+                                weight_grad.run(wstore.pop((mb, c)))
+                                live -= 1
+                            else:
+                                x, out = stash[(mb, c)]
+                                grad = None if vs == last_vs else dy
+                                if a.type == "BI":
+                                    store = wstore[(mb, c)] = weight_grad.WeightGradStore()
+                                    with weight_grad.deferring(store):
+                                        torch.autograd.backward(out, grad)
+                                else:
+                                    torch.autograd.backward(out, grad)
+                                    live -= 1
+                                if vs == 0:
+                                    stash.pop((mb, c))
+                                else:
+                                    stash[(mb, c)] = (x, None)
+                    times[a.type].append(time.perf_counter() - t0)
+                p2p.poll()
+            p2p.finish()
+        if forward_only:
+            return _finish(result, times, t_step)
+        for d in ddps:
+            if d is not None:
+                d.finish_grad_sync()
+    finally:
+        for d in ddps:
+            if d is not None:
+                d.finish_at_backward_end = True
+    return _finish(result, times, t_step)
+
+
+def _finish(result: PipelineResult, times, t_step) -> PipelineResult:
+    result.compute_time = {k: statistics.fmean(v) for k, v in times.items()}
+    result.step_time = time.perf_counter() - t_step
+    return result

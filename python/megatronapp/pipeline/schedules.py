@@ -1,0 +1,213 @@
+"""Pipeline schedules as data (the C++ core) and their simulation.
+
+    s = Schedule.one_f_one_b(p=4, m=8)
+    s.actions(0)            # [F(mb=0, chunk=0), SEND_ACT(mb=0, chunk=0, peer=1), ...]
+    r = simulate(s, forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.05)
+    r.makespan, r.bubble_fraction, r.peak_activations
+    r.gantt("plan.png"); r.chrome_trace("plan.json")
+
+Chunk c of stage s is virtual stage c * p + s (Megatron's interleaved layout).
+Action types: F, B (full backward), BI (input gradient), W (deferred weight
+gradient), SEND_ACT / RECV_ACT, SEND_GRAD / RECV_GRAD. See docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import _C
+
+_pl = _C.pipeline
+Action = _pl.Action
+
+__all__ = ["Action", "Schedule", "SimulationResult", "simulate", "costs"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "dynamic")
+
+
+class Schedule:
+    """An immutable, validated schedule: per stage, the ordered actions."""
+
+    def __init__(self, cpp: _pl.Schedule):
+        self._s = cpp
+
+    # ---- constructors ----------------------------------------------------------
+    @classmethod
+    def gpipe(cls, p: int, m: int) -> Schedule:
+        return cls(_pl.gpipe(p, m))
+
+    @classmethod
+    def one_f_one_b(cls, p: int, m: int) -> Schedule:
+        return cls(_pl.one_f_one_b(p, m))
+
+    @classmethod
+    def interleaved(cls, p: int, m: int, v: int) -> Schedule:
+        return cls(_pl.interleaved(p, m, v))
+
+    @classmethod
+    def zero_bubble(cls, p: int, m: int) -> Schedule:
+        return cls(_pl.zero_bubble(p, m))
+
+    @classmethod
+    def dynamic(cls, p: int, m: int, v: int = 1, policy: str = "auto",
+                memory_limit: int | None = None, costs: _pl.Costs | None = None) -> Schedule:
+        """The dynamic planner (``policy``: dfc, bfc, auto, adaptive). `costs`
+        (see :func:`costs`) are the per-stage times it plans with; uniform by
+        default. `memory_limit` caps live activations per stage, in units of one
+        microbatch through one chunk."""
+        return cls(_pl.dynamic(p, m, v, policy, memory_limit, costs))
+
+    @classmethod
+    def by_name(cls, name: str, p: int, m: int, v: int = 1, **kw) -> Schedule:
+        """``gpipe``, ``1f1b``, ``interleaved``, ``zero-bubble`` or ``dynamic``
+        (the names of ``pretrain_gpt.py --pipeline-schedule``)."""
+        if name in ("interleaved", "1f1b") and v > 1:
+            return cls.interleaved(p, m, v)
+        if v > 1 and name not in ("dynamic",):
+            raise ValueError(
+                f"schedule '{name}' runs one model chunk per stage; with "
+                f"virtual_pipeline_model_parallel_size={v} use 'interleaved' or 'dynamic'")
+        if name == "gpipe":
+            return cls.gpipe(p, m)
+        if name == "1f1b":
+            return cls.one_f_one_b(p, m)
+        if name == "zero-bubble":
+            return cls.zero_bubble(p, m)
+        if name == "dynamic":
+            return cls.dynamic(p, m, v, **kw)
+        raise ValueError(f"unknown pipeline schedule '{name}' (expected one of {', '.join(SCHEDULES)})")
+
+    @classmethod
+    def from_actions(cls, actions: Sequence[Sequence[tuple | Action]], microbatches: int,
+                     chunks: int = 1, name: str = "custom") -> Schedule:
+        """A hand-written schedule: per stage a list of ``("F", mb, chunk)``
+        tuples or Actions. Without any send/recv, transfers are inserted."""
+        rows = [[a if isinstance(a, Action) else Action(*a) for a in stage] for stage in actions]
+        return cls(_pl.Schedule(name, len(rows), microbatches, chunks, rows))
+
+    @classmethod
+    def from_csv(cls, text_or_path: str | Path) -> Schedule:
+        return cls(_pl.from_csv(_read(text_or_path)))
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Schedule:
+        return cls(_pl.from_json(_read(text_or_path)))
+
+    # ---- accessors ---------------------------------------------------------------
+    name = property(lambda self: self._s.name)
+    stages = property(lambda self: self._s.stages)
+    microbatches = property(lambda self: self._s.microbatches)
+    chunks = property(lambda self: self._s.chunks)
+
+    def actions(self, stage: int) -> list[Action]:
+        return self._s.actions(stage)
+
+    def peak_activations(self, stage: int | None = None):
+        """Peak live activations of `stage` (all stages as a list if None)."""
+        if stage is None:
+            return [self._s.peak_activations(s) for s in range(self.stages)]
+        return self._s.peak_activations(stage)
+
+    def validate(self) -> str:
+        """'' when valid, else the first violation."""
+        return self._s.validate()
+
+    def to_csv(self) -> str:
+        return self._s.to_csv()
+
+    def to_json(self) -> str:
+        return self._s.to_json()
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
+                f"chunks={self.chunks})")
+
+
+def _read(text_or_path) -> str:
+    if isinstance(text_or_path, Path) or (
+            isinstance(text_or_path, str) and "\n" not in text_or_path
+            and Path(text_or_path).is_file()):
+        return Path(text_or_path).read_text()
+    return text_or_path
+
+
+def _per_stage(x, p: int, name: str) -> list[float]:
+    if isinstance(x, (int, float)):
+        return [float(x)] * p
+    vals = [float(v) for v in x]
+    if len(vals) != p:
+        raise ValueError(f"{name}: expected a number or {p} per-stage values, got {len(vals)}")
+    return vals
+
+
+def costs(p: int, forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.0) -> _pl.Costs:
+    """Per-stage time model: each argument a number or one value per stage
+    (p2p: per link s <-> s+1). A full backward costs backward_input +
+    backward_weight."""
+    return _pl.Costs(_per_stage(forward, p, "forward"),
+                     _per_stage(backward_input, p, "backward_input"),
+                     _per_stage(backward_weight, p, "backward_weight"),
+                     _per_stage(p2p, p, "p2p"))
+
+
+@dataclass
+class SimulationResult:
+    schedule: Schedule
+    makespan: float
+    bubble_fraction: float
+    peak_activations: list
+    busy: list
+    timeline: list = field(repr=False)  # (stage, Action, start, end)
+    _cpp: object = field(repr=False, default=None)
+
+    def chrome_trace(self, path: str | Path | None = None) -> str:
+        """Chrome Trace Event JSON (Perfetto); written to `path` if given."""
+        text = _pl.chrome_trace(self.schedule._s, self._cpp)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def gantt(self, path: str | Path, title: str | None = None) -> None:
+        """Draws the plan (one row per stage, transfers as thin bars) to a PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colors = {"F": "#4c72b0", "B": "#dd8452", "BI": "#c44e52", "W": "#55a868"}
+        p = self.schedule.stages
+        fig, ax = plt.subplots(figsize=(max(8, min(24, len(self.timeline) / 12)), 0.6 * p + 1.2))
+        for stage, a, start, end in self.timeline:
+            if a.is_compute:
+                ax.barh(stage, end - start, left=start, height=0.8, color=colors[a.type],
+                        edgecolor="black", linewidth=0.4)
+                label = f"{a.microbatch}" + (f".{a.chunk}" if self.schedule.chunks > 1 else "")
+                ax.text((start + end) / 2, stage, label, ha="center", va="center", fontsize=6,
+                        color="white")
+            else:
+                off = 0.45 if a.type == "SEND_ACT" else -0.45
+                ax.barh(stage + off, end - start, left=start, height=0.08, color="gray")
+        ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+        ax.legend(handles, list(colors), loc="upper right", fontsize=7, ncols=4)
+        ax.set_title(title or f"{self.schedule.name}: makespan {self.makespan:.3g}, "
+                     f"bubble {self.bubble_fraction:.1%}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def simulate(schedule: Schedule, forward=1.0, backward_input=1.0, backward_weight=1.0,
+             p2p=0.0) -> SimulationResult:
+    """Event-driven simulation of `schedule` (executor semantics: sends and
+    receives never block, a compute action waits for its input; each direction
+    of a link carries one message at a time). Times are numbers or per-stage
+    lists; a full backward costs backward_input + backward_weight."""
+    c = costs(schedule.stages, forward, backward_input, backward_weight, p2p)
+    r = _pl.simulate(schedule._s, c)
+    return SimulationResult(schedule, r.makespan, r.bubble_fraction, list(r.peak_activations),
+                            list(r.busy), r.timeline, r)
