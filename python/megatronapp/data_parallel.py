@@ -48,6 +48,7 @@ from torch import nn
 from . import _collectives
 from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
+from .pipeline import weight_grad
 
 __all__ = ["DistributedDataParallel"]
 
@@ -235,7 +236,7 @@ class DistributedDataParallel(nn.Module):
 
     def _make_hook(self, p):
         def hook(param):
-            if not self._sync_enabled:
+            if not self._sync_enabled or weight_grad.is_deferred(param):
                 return
             if not self._callback_queued:
                 self._callback_queued = True

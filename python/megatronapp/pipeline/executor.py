@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 import torch
 
-from ..data_parallel import DistributedDataParallel
 from ..parallel_state import ParallelState
 from ..tensor_parallel.utils import resolve_state
 from . import weight_grad
@@ -111,14 +110,15 @@ class _P2P:
 
     def _retire(self, item, now) -> None:
         work, _, t0, link = item
-        work.wait()
+        work.wait()  # exactly once: a second wait on a Gloo send never returns
+        if now is None:
+            now = time.perf_counter()
         self.result.send_time.append(now - t0)
         self.result.send_link.append(link)
 
     def finish(self) -> None:
         for item in self.sends:
-            item[0].wait()
-            self._retire(item, time.perf_counter())
+            self._retire(item, None)
         self.sends = []
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
@@ -158,6 +158,8 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
         tensor_shape, dtype: shape and dtype of the tensors between stages.
         forward_only: run the forwards only (evaluation), without autograd.
     """
+    from ..data_parallel import DistributedDataParallel  # imports this package
+
     state = resolve_state(parallel_state)
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import torch
 
-__all__ = ["linear", "deferring", "run", "WeightGradStore"]
+__all__ = ["linear", "deferring", "is_deferred", "run", "WeightGradStore"]
 
 
 class WeightGradStore:
@@ -31,6 +31,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.items: list = []  # (param, closure returning its gradient)
+        self.deferred: set = set()  # ids of the parameters in items
 
     def __len__(self) -> int:
         return len(self.items)
@@ -50,6 +51,13 @@ def deferring(store: WeightGradStore):
         _ACTIVE = previous
 
 
+def is_deferred(param: torch.Tensor) -> bool:
+    """True inside a deferring backward for a parameter whose gradient was put
+    aside. Autograd still runs post-accumulate hooks of such a parameter (with
+    no gradient), so hooks that mark gradients ready must check this."""
+    return _ACTIVE is not None and id(param) in _ACTIVE.deferred
+
+
 def run(store: WeightGradStore) -> None:
     """Computes the stored weight gradients and accumulates them into ``.grad``
     through autograd (hooks run). Empties the store."""
@@ -60,6 +68,7 @@ def run(store: WeightGradStore) -> None:
         params.append(p)
         grads.append(fn())
     store.items.clear()
+    store.deferred.clear()
     torch.autograd.backward(params, grads)
 
 
@@ -81,6 +90,7 @@ class _Linear(torch.autograd.Function):
             store = _ACTIVE
             if store is not None:
                 store.items.append((weight, wgrad))
+                store.deferred.add(id(weight))
             else:
                 dw = wgrad()
         if ctx.has_bias and ctx.needs_input_grad[2]:
