@@ -151,6 +151,12 @@ class DistributedDataParallel(nn.Module):
         self.buckets = []
         current, size = {}, {}
         for p in params:
+            if getattr(p, "shared_embedding", False):
+                # Own bucket: its ZeRO-1 shard is then the same slice of the
+                # weight on the first and last pipeline stage, so the two
+                # shards can be summed over the embedding group.
+                self._add_bucket([p])
+                continue
             lst = current.setdefault(p.dtype, [])
             lst.append(p)
             size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
@@ -209,7 +215,7 @@ class DistributedDataParallel(nn.Module):
                 self._attach_grads(b, zero=False)
                 b.param_data = torch.zeros(padded, dtype=b.dtype, device=grad.device)
                 for p, off in zip(b.params, b.offsets, strict=True):
-                    b.param_data[off: off + p.numel()].copy_(p.data.view(-1))
+                    b.param_data[off: off + p.numel()].copy_(p.data.reshape(-1))
                     p.data = b.param_data[off: off + p.numel()].view_as(p)
                 b.shard = torch.zeros(padded // self.world, dtype=torch.float32, device=grad.device)
                 b.state.clear()

@@ -11,7 +11,8 @@ Constructor: ``DistributedOptimizer(ddp, optimizer_class=torch.optim.AdamW,
 param_groups=None, **optimizer_kwargs)``.
 
 * `ddp` — the :class:`~megatronapp.data_parallel.DistributedDataParallel`
-  wrapping the model; the optimizer switches it to reduce-scatter mode, so
+  wrapping the model (or a list of them: one per pipeline model chunk); the
+  optimizer switches it to reduce-scatter mode, so
   build the optimizer before the first backward.
 * `optimizer_class` — any ``torch.optim.Optimizer`` (AdamW, SGD, ...), built
   over this rank's shard only, so its state takes ~1/dp of the memory.
@@ -59,13 +60,17 @@ class DistributedOptimizer:
     def __init__(self, ddp: DistributedDataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list | None = None, *,
                  parallel_state: ParallelState | None = None, **optimizer_kwargs):
-        if not isinstance(ddp, DistributedDataParallel):
-            raise ValueError("DistributedOptimizer needs the model wrapped in "
-                             "megatronapp.data_parallel.DistributedDataParallel")
-        self.ddp = ddp
-        ddp.enable_distributed_optimizer()
-        self.group = ddp.group
-        self.world, self.rank = ddp.world, ddp.group.rank()
+        ddps = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+        if not ddps or not all(isinstance(d, DistributedDataParallel) for d in ddps):
+            raise ValueError("DistributedOptimizer needs the model (or every pipeline model "
+                             "chunk) wrapped in megatronapp.data_parallel.DistributedDataParallel")
+        self.ddps = ddps
+        self.ddp = ddps[0]
+        for d in ddps:
+            d.enable_distributed_optimizer()
+        self.buckets = [b for d in ddps for b in d.buckets]
+        self.group = self.ddp.group
+        self.world, self.rank = self.ddp.world, self.ddp.group.rank()
         try:
             self.state_mp = parallel_state or get_parallel_state()
         except RuntimeError:
@@ -80,7 +85,7 @@ class DistributedOptimizer:
         # fp32 main tensor the inner optimizer updates.
         self.pieces = []
         by_group = [[] for _ in group_opts]
-        for b in ddp.buckets:
+        for b in self.buckets:
             s_lo, s_hi = self._chunk_range(b)
             for p, off in zip(b.params, b.offsets, strict=True):
                 lo, hi = max(off, s_lo), min(off + p.numel(), s_hi)
@@ -101,7 +106,8 @@ class DistributedOptimizer:
 
     # ---- the step -------------------------------------------------------------
     def _load_grads(self) -> None:
-        self.ddp.finish_grad_sync()  # no-op when backward already finished it
+        for d in self.ddps:
+            d.finish_grad_sync()  # no-op when backward already finished it
         for pc in self.pieces:
             pc.main.grad = pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
         # Sequence-parallel parameters saw only their sequence shard: their
@@ -120,6 +126,8 @@ class DistributedOptimizer:
         sq = torch.zeros(1, dtype=torch.float64)
         tp_rank = self.state_mp.tp_rank if self.state_mp else 0
         for pc in self.pieces:
+            if getattr(pc.param, "shared_embedding_replica", False):
+                continue  # counted on the first pipeline stage
             if is_tensor_parallel(pc.param) or tp_rank == 0:
                 sq += pc.main.grad.double().pow(2).sum().cpu()
         _collectives.all_reduce_sum_(sq, self.group)
@@ -128,7 +136,7 @@ class DistributedOptimizer:
         norm = math.sqrt(float(sq))
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
-            for b in self.ddp.buckets:
+            for b in self.buckets:
                 b.shard.mul_(coef)
         return norm
 
@@ -139,12 +147,12 @@ class DistributedOptimizer:
         self._sp_done = False
         for pc in self.pieces:
             pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
-        for b in self.ddp.buckets:
+        for b in self.buckets:
             lo, hi = self._chunk_range(b)
             b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, self.group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for b in self.ddp.buckets:
+        for b in self.buckets:
             b.grad_data.zero_()
         for pc in self.pieces:
             pc.main.grad = None

@@ -34,6 +34,9 @@ from .data import TextDataset, default_corpus, padded_vocab_size
 from .data_parallel import DistributedDataParallel
 from .models import GPTConfig, GPTModel
 from .optimizer import DistributedOptimizer
+from .pipeline import SCHEDULES, AdaptiveSchedule, Schedule, forward_backward
+from .pipeline.layout import layer_layout, parse_layout
+from .tensor_parallel import vocab_parallel_cross_entropy
 from .training import clip_grad_norm_, finalize_model_grads
 
 
@@ -42,8 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="must be 1 until pipeline parallelism lands")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline stage (interleaved / dynamic schedules)")
+    g.add_argument("--pipeline-schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="1f1b becomes interleaved 1F1B with a virtual pipeline size")
+    g.add_argument("--pipeline-dynamic-policy", choices=["dfc", "bfc", "auto", "adaptive"],
+                   default="adaptive", help="planner policy of --pipeline-schedule dynamic")
+    g.add_argument("--pipeline-memory-limit", type=int, default=None, metavar="N",
+                   help="dynamic schedule: live activations per stage (microbatch x chunk)")
+    g.add_argument("--pipeline-replan-interval", type=int, default=20,
+                   help="dynamic adaptive schedule: re-plan from measured times every N iters")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--pipeline-layer-layout", default=None, metavar="N,N,...",
+                   help="layers per virtual stage (chunk-major: chunk 0 of every stage first)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto")
     g = p.add_argument_group("data parallelism")
@@ -113,19 +129,42 @@ def _init_distributed(args) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
 
 
-def _validate(args, world: int) -> None:
-    if args.pipeline_model_parallel_size != 1:
-        raise SystemExit("--pipeline-model-parallel-size > 1 is not supported yet "
-                         "(pipeline parallelism is a later milestone); use 1")
-    tp = args.tensor_model_parallel_size
-    if world % tp != 0:
-        raise SystemExit(f"world size {world} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    dp = world // tp
+def _validate(args, world: int) -> list[int]:
+    """Checks the configuration before any collective; returns the layers per
+    virtual pipeline stage."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    v = args.virtual_pipeline_model_parallel_size or 1
+    if world % (tp * pp) != 0:
+        raise SystemExit(f"world size {world} is not divisible by --tensor-model-parallel-size "
+                         f"{tp} x --pipeline-model-parallel-size {pp}")
+    if v > 1 and pp == 1:
+        raise SystemExit("--virtual-pipeline-model-parallel-size needs "
+                         "--pipeline-model-parallel-size > 1")
+    dp = world // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
         raise SystemExit(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    try:
+        layout = layer_layout(
+            args.num_layers, pp, v, first=args.decoder_first_pipeline_num_layers,
+            last=args.decoder_last_pipeline_num_layers,
+            layout=parse_layout(args.pipeline_layer_layout) if args.pipeline_layer_layout else None)
+        if pp > 1:  # the schedule itself checks m against p (e.g. interleaved)
+            _schedule(args, args.global_batch_size // (args.micro_batch_size * dp))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return layout
+
+
+def _schedule(args, m: int):
+    pp, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    if args.pipeline_schedule == "dynamic":
+        if args.pipeline_dynamic_policy == "adaptive":
+            return AdaptiveSchedule(pp, m, v, args.pipeline_memory_limit,
+                                    interval=args.pipeline_replan_interval)
+        return Schedule.dynamic(pp, m, v, args.pipeline_dynamic_policy, args.pipeline_memory_limit)
+    return Schedule.by_name(args.pipeline_schedule, pp, m, v)
 
 
 def _memory_device(args) -> str:
@@ -148,10 +187,11 @@ def train(args) -> dict:
         if mem_device != "cpu":
             raise SystemExit("--record-alloc-trace records the CPU pool; run on CPU (gloo)")
         memory.start_recording()
-    _validate(args, world)
+    layout = _validate(args, world)
     state = ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)  # same on every rank: the master weights agree
 
@@ -163,28 +203,66 @@ def train(args) -> dict:
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         ffn_hidden_size=args.ffn_hidden_size, sequence_parallel=args.sequence_parallel,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    gpt = GPTModel(cfg, parallel_state=state).to(device)
+    pp, v = state.pp_size, args.virtual_pipeline_model_parallel_size or 1
+    offsets = [sum(layout[:k]) for k in range(len(layout))]
+    gpts = []
+    for c in range(v):  # this rank's model chunks: virtual stages c * pp + stage
+        vs = c * pp + state.pp_rank
+        gpts.append(GPTModel(cfg, parallel_state=state, pre_process=vs == 0,
+                             post_process=vs == pp * v - 1,
+                             layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
+                             seed=args.seed).to(device))
     compression = None
     if args.grad_compression != "none":
         compression = Compression(args.grad_compression, args.grad_compression_start_iter)
-    model = DistributedDataParallel(
-        gpt, process_group=state.data_group, bucket_size_mb=args.bucket_size_mb,
+    chunks = [DistributedDataParallel(
+        g, process_group=state.data_group, bucket_size_mb=args.bucket_size_mb,
         compression=compression, overlap_grad_reduce=not args.no_overlap_grad_reduce)
-    decay = [p for p in gpt.parameters() if p.dim() >= 2]
-    no_decay = [p for p in gpt.parameters() if p.dim() < 2]
+        for g in gpts]
+    model = chunks[0]
+    all_params = [p for g in gpts for p in g.parameters()]
+    decay = [p for p in all_params if p.dim() >= 2]
+    no_decay = [p for p in all_params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if args.use_distributed_optimizer:
-        opt = DistributedOptimizer(model, torch.optim.AdamW, groups, parallel_state=state,
+        opt = DistributedOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
                                    lr=args.lr, betas=(0.9, 0.95))
     else:
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    m = args.global_batch_size // (args.micro_batch_size * state.dp_size)
+    sched = _schedule(args, m) if pp > 1 else None
+    seq_shard = args.seq_length // state.tp_size if cfg.sequence_parallel else args.seq_length
+    if cfg.sequence_parallel and args.seq_length % state.tp_size:
+        raise SystemExit(f"--seq-length {args.seq_length} must be divisible by the tensor-parallel "
+                         f"size {state.tp_size} with --sequence-parallel")
+
+    def pipeline_loss(logits, labels):  # logits [b, s, V/tp] on the last stage
+        return vocab_parallel_cross_entropy(
+            logits.transpose(0, 1), labels.to(device).transpose(0, 1), group=state.tensor_group
+        ).mean()
 
     def batch_loss(split: str, it: int, backward: bool) -> float:
         tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
         micro = dataset.microbatches(tokens, labels, args.micro_batch_size,
                                      state.dp_rank, state.dp_size)
         total = torch.zeros(1, dtype=torch.float64)
+        if pp > 1:
+            schedule = sched.schedule if isinstance(sched, AdaptiveSchedule) else sched
+            data = iter([(x.to(device), y) for x, y in micro])
+            res = forward_backward(schedule, chunks, data, pipeline_loss,
+                                   tensor_shape=(seq_shard, args.micro_batch_size,
+                                                 args.hidden_size),
+                                   parallel_state=state, forward_only=not backward)
+            if backward and isinstance(sched, AdaptiveSchedule):
+                sched.observe(res)
+            for loss in res.losses:  # last stage only
+                total += loss.double().cpu() / len(micro)
+            if state.tp_rank != 0:
+                total.zero_()  # every tensor rank holds the same loss: count it once
+            torch.distributed.all_reduce(total, group=state.model_group)
+            torch.distributed.all_reduce(total, group=state.data_group)
+            return float(total) / state.dp_size
         for i, (x, y) in enumerate(micro):
             # Accumulate locally; only the last microbatch's backward syncs.
             sync = not backward or i == len(micro) - 1
@@ -215,11 +293,11 @@ def train(args) -> dict:
             group["lr"] = _lr_at(args, it)
         opt.zero_grad(set_to_none=True)
         loss = batch_loss("train", it, backward=True)
-        finalize_model_grads(model, state)
+        finalize_model_grads(chunks, state)
         if args.use_distributed_optimizer:
             grad_norm = opt.clip_grad_norm_(args.clip_grad)
         else:
-            grad_norm = clip_grad_norm_(gpt.parameters(), args.clip_grad, state)
+            grad_norm = clip_grad_norm_(all_params, args.clip_grad, state)
         opt.step()
         dt = time.perf_counter() - t0
         history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
@@ -237,10 +315,12 @@ def train(args) -> dict:
     if bar is not None:
         bar.close()
 
-    model.eval()
+    for c in chunks:
+        c.eval()
     with torch.no_grad():
         valid = [batch_loss("valid", i, backward=False) for i in range(args.eval_iters)]
-    model.train()
+    for c in chunks:
+        c.train()
     if args.record_alloc_trace:
         path = args.record_alloc_trace
         path = path.replace("{rank}", str(rank)) if "{rank}" in path else (
@@ -251,6 +331,7 @@ def train(args) -> dict:
             print(f"[megatronapp] allocation trace: {n} events -> {path}", flush=True)
     summary = {
         "world_size": world, "tp": state.tp_size, "dp": state.dp_size, "pp": state.pp_size,
+        "vpp": v, "layer_layout": layout,
         "parameters": cfg.num_parameters(), "iterations": args.train_iters,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -261,7 +342,11 @@ def train(args) -> dict:
     }
     if args.memory_pool:
         summary["memory"] = memory.stats(mem_device)
-    summary["comm"] = model.comm_stats()["step"]
+    summary["comm"] = {k: sum(c.comm_stats()["step"][k] for c in chunks)
+                       for k in ("raw_bytes", "sent_bytes")}
+    if pp > 1:
+        summary["pipeline_schedule"] = (sched.schedule if isinstance(sched, AdaptiveSchedule)
+                                        else sched).name
     if is_logger:
         _write_outputs(args.output_dir, history, summary)
         print(f"[megatronapp] done: {args.train_iters} iterations in {wall:.1f}s, loss "
@@ -299,7 +384,8 @@ def _write_outputs(out_dir: str, history: list, summary: dict) -> None:
         ax.axhline(summary["valid_loss"], color="tab:orange", ls="--", label="validation (end)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"GPT {summary['parameters'] / 1e6:.2f}M, tp={summary['tp']} dp={summary['dp']}")
+    ax.set_title(f"GPT {summary['parameters'] / 1e6:.2f}M, tp={summary['tp']} "
+                 f"pp={summary['pp']} dp={summary['dp']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)

@@ -49,32 +49,41 @@ def _coalesced_all_reduce_(tensors: list, group, scale: float | None = None) -> 
 
 
 @torch.no_grad()
-def finalize_model_grads(
-    model: torch.nn.Module, parallel_state: ParallelState | None = None
-) -> None:
+def finalize_model_grads(model, parallel_state: ParallelState | None = None) -> None:
     """Completes the gradients of one optimizer step (see module docstring).
 
-    With :class:`~megatronapp.data_parallel.DistributedDataParallel` the
+    `model` is a module or a list of model chunks (pipeline parallelism). With
+    :class:`~megatronapp.data_parallel.DistributedDataParallel` the
     data-parallel part is DDP's (already done at the end of backward); in
     ZeRO-1 mode the sequence-parallel sums happen on the shards, inside
-    DistributedOptimizer."""
+    DistributedOptimizer. Under pipeline parallelism with tied embeddings, the
+    word-embedding gradients of the first and last stage are summed over the
+    embedding group (on the ZeRO-1 shards in ZeRO-1 mode)."""
     from .data_parallel import DistributedDataParallel
 
     state = resolve_state(parallel_state)
-    ddp = model if isinstance(model, DistributedDataParallel) else None
-    if ddp is not None:
-        ddp.finish_grad_sync()
-        if ddp._zero:
-            return
-        model = ddp.module
-    params = [p for p in model.parameters() if p.grad is not None]
-    if state.tp_size > 1:
-        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-        if sp:
-            _coalesced_all_reduce_(sp, state.tensor_group)
-    if ddp is None and state.dp_size > 1:
-        _coalesced_all_reduce_([p.grad for p in params], state.data_group,
-                               scale=1.0 / state.dp_size)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    shared = []
+    for chunk in chunks:
+        ddp = chunk if isinstance(chunk, DistributedDataParallel) else None
+        module = ddp.module if ddp is not None else chunk
+        if ddp is not None:
+            ddp.finish_grad_sync()
+            if ddp._zero:
+                shared += [b.shard for b in ddp.buckets
+                           if getattr(b.params[0], "shared_embedding", False)]
+                continue
+        params = [p for p in module.parameters() if p.grad is not None]
+        shared += [p.grad for p in params if getattr(p, "shared_embedding", False)]
+        if state.tp_size > 1:
+            sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+            if sp:
+                _coalesced_all_reduce_(sp, state.tensor_group)
+        if ddp is None and state.dp_size > 1:
+            _coalesced_all_reduce_([p.grad for p in params], state.data_group,
+                                   scale=1.0 / state.dp_size)
+    if shared and state.pp_size > 1 and state.embedding_group is not None:
+        _coalesced_all_reduce_(shared, state.embedding_group)
 
 
 @torch.no_grad()
@@ -88,7 +97,9 @@ def clip_grad_norm_(
     on every tensor rank; replicated ones only on tensor rank 0."""
     state = resolve_state(parallel_state)
     params = [p for p in parameters if p.grad is not None]
-    count_here = [p for p in params if is_tensor_parallel(p) or state.tp_rank == 0]
+    # The last pipeline stage's replica of tied embeddings is counted on the first.
+    count_here = [p for p in params if (is_tensor_parallel(p) or state.tp_rank == 0)
+                  and not getattr(p, "shared_embedding_replica", False)]
     total = torch.zeros(1, dtype=torch.float64)
     for p in count_here:
         total += p.grad.detach().double().pow(2).sum().cpu()

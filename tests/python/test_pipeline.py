@@ -15,9 +15,8 @@ V2 = ["interleaved", ("dynamic", "dfc"), ("dynamic", "auto"), ("dynamic", "adapt
 
 
 def _blocks(n):
-    from torch import nn
-
     import megatronapp as mapp
+    from torch import nn
 
     class Block(nn.Module):
         def __init__(self):

@@ -11,6 +11,7 @@ each layer draws its full weight and keeps its slice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -131,12 +132,36 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+@contextlib.contextmanager
+def _seeded(base: int, component: int):
+    """Draws inside from the CPU RNG seeded for `component`; restores it after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((base * 1_000_003 + 7919 * (component + 1)) % (2**63 - 1))
+        yield
+
+
 class GPTModel(nn.Module):
     """``forward(input_ids [b, s], labels [b, s] | None)``: with labels, the
     per-token loss [b, s] (float32); without, the vocabulary-sharded logits
-    [b, s, V/tp]."""
+    [b, s, V/tp].
 
-    def __init__(self, config: GPTConfig, *, parallel_state: ParallelState | None = None):
+    Pipeline stages (Megatron's ``pre_process`` / ``post_process``): a stage
+    without ``pre_process`` takes the hidden states [s, b, h] (sequence-sharded
+    under sequence parallelism) instead of token ids; one without
+    ``post_process`` returns them. ``layer_numbers`` are the global indices of
+    the transformer layers this stage holds (default: all).
+
+    Every component (embeddings, each layer, the head) is initialized from its
+    own seed derived from ``seed`` (default ``torch.initial_seed()``), so the
+    model is the same function at every tensor- and pipeline-parallel size.
+    With tied embeddings split across stages, the last stage keeps a replica of
+    the word embeddings (``shared_embedding_replica``) whose gradient
+    ``finalize_model_grads`` sums with the first stage's over the embedding group.
+    """
+
+    def __init__(self, config: GPTConfig, *, parallel_state: ParallelState | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None, seed: int | None = None):
         super().__init__()
         state = resolve_state(parallel_state)
         cfg = self.config = config
@@ -146,34 +171,59 @@ class GPTModel(nn.Module):
         if cfg.sequence_parallel and state.tp_size == 1:
             cfg.sequence_parallel = False  # nothing to shard
         self.group = state.tensor_group
-        self.word_embeddings = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
-            parallel_state=state)
-        self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        nn.init.normal_(self.position_embeddings.weight, 0.0, cfg.init_method_std)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, state) for _ in range(cfg.num_layers))
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        _mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
-        if cfg.share_embeddings_and_output_weights:
-            self.output_layer = None
-        else:
-            self.output_layer = ColumnParallelLinear(
-                cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
-                sequence_parallel=cfg.sequence_parallel,
-                init_method=_normal(cfg.init_method_std), parallel_state=state)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(cfg.num_layers) if layer_numbers is None else layer_numbers)
+        if any(not 0 <= i < cfg.num_layers for i in self.layer_numbers):
+            raise ValueError(f"layer_numbers {self.layer_numbers} outside [0, {cfg.num_layers})")
+        base = torch.initial_seed() if seed is None else seed
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        b, s = input_ids.shape
-        if s > self.config.seq_length:
-            raise ValueError(
-                f"sequence length {s} exceeds the model's seq_length {self.config.seq_length}")
-        pos = torch.arange(s, device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(pos)  # [b, s, h]
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            x = mappings.scatter_to_sequence_parallel_region(x, self.group)
+        tied = cfg.share_embeddings_and_output_weights
+        split = tied and not (pre_process and post_process)
+        self.word_embeddings = self.position_embeddings = None
+        if pre_process or (post_process and tied):
+            with _seeded(base, 0):
+                self.word_embeddings = VocabParallelEmbedding(
+                    cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
+                    parallel_state=state)
+                position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                nn.init.normal_(position.weight, 0.0, cfg.init_method_std)
+            if pre_process:
+                self.position_embeddings = position
+            if split:
+                self.word_embeddings.weight.shared_embedding = True
+                self.word_embeddings.weight.shared_embedding_replica = not pre_process
+        layers = []
+        for i in self.layer_numbers:
+            with _seeded(base, 1 + i):
+                layers.append(TransformerLayer(cfg, state))
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = self.output_layer = None
+        if post_process:
+            with _seeded(base, 1 + cfg.num_layers):
+                self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+                _mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
+                if not tied:
+                    self.output_layer = ColumnParallelLinear(
+                        cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
+                        sequence_parallel=cfg.sequence_parallel,
+                        init_method=_normal(cfg.init_method_std), parallel_state=state)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+        if self.pre_process:
+            input_ids = x
+            b, s = input_ids.shape
+            if s > self.config.seq_length:
+                raise ValueError(
+                    f"sequence length {s} exceeds the model's seq_length {self.config.seq_length}")
+            pos = torch.arange(s, device=input_ids.device)
+            x = self.word_embeddings(input_ids) + self.position_embeddings(pos)  # [b, s, h]
+            x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            if self.config.sequence_parallel:
+                x = mappings.scatter_to_sequence_parallel_region(x, self.group)
         for layer in self.layers:
             x = layer(x)
+        if not self.post_process:
+            return x
         x = self.final_layernorm(x)
         if self.output_layer is not None:
             logits = self.output_layer(x)
