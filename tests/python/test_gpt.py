@@ -51,3 +51,54 @@ def test_outputs_written(tmp_path):
     assert (tmp_path / "loss.csv").read_text().count("\n") == STEPS + 1
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert (tmp_path / "summary.json").exists()
+
+
+PP_REF = ["--num-layers", "4"]
+
+
+@pytest.fixture(scope="module")
+def reference_losses_4layers(tmp_path_factory):
+    return run_ranks(_train, 1, PP_REF, str(tmp_path_factory.mktemp("pp1")))[0]
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--pipeline-model-parallel-size", "2"]),  # 1F1B, tied embeddings across stages
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
+         "--decoder-first-pipeline-num-layers", "1"]),  # uneven: 1 + 3 layers
+    (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--pipeline-schedule", "zero-bubble", "--use-distributed-optimizer"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-schedule", "gpipe"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dynamic",
+         "--pipeline-replan-interval", "2", "--use-distributed-optimizer"]),  # pp 2 x dp 2
+])
+def test_gpt_pipeline_losses_match_single_process(reference_losses_4layers, tmp_path, world,
+                                                  extra):
+    losses = run_ranks(_train, world, PP_REF + extra, str(tmp_path))
+    for rank_losses in losses:
+        for step, (got, want) in enumerate(zip(rank_losses, reference_losses_4layers,
+                                               strict=True)):
+            assert abs(got - want) < 1e-4, f"step {step + 1}: {got} vs PP=1 {want} ({extra})"
+
+
+@pytest.mark.parametrize("world,extra,message", [
+    (2, ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+     "3 layers do not divide evenly over 2 virtual pipeline stages"),
+    (4, ["--num-layers", "2", "--pipeline-model-parallel-size", "2",
+         "--virtual-pipeline-model-parallel-size", "2"], "2 layers cannot fill 4 virtual"),
+    (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+         "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "6"],
+     "must be a multiple of the pipeline size"),
+    (3, ["--pipeline-model-parallel-size", "2"], "world size 3 is not divisible"),
+    (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+         "--pipeline-layer-layout", "1,2"], "must have positive counts summing to --num-layers 4"),
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-layout", "1,x"],
+     "expected comma-separated layer counts"),
+])
+def test_bad_pipeline_configuration_is_rejected_before_any_collective(world, extra, message):
+    from megatronapp.pretrain import _validate, build_parser
+
+    args = build_parser().parse_args(FLAGS + extra)
+    with pytest.raises(SystemExit, match=message):
+        _validate(args, world)
