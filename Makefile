@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh Debian machine (see README.md):
-#   make demo   installs, builds, and trains a small GPT on 4 CPU ranks (TP=2 x DP=2)
+#   make demo   installs, builds, and trains a small GPT on 4 CPU ranks (TP=2 x PP=2)
 #   make test   installs, builds, and runs the C++ (ctest) and Python (pytest) suites
 # Both are incremental: stamps skip finished set-up, the build dir persists.
 
@@ -19,7 +19,7 @@ DEMO_ITERS   ?= 300
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline gpu-check clean distclean help
 all: test
 
 help:
@@ -50,8 +50,8 @@ build: setup
 # ---- the two commands -----------------------------------------------------
 demo: build
 	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29510 \
-	  examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
-	  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+	  examples/pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+	  --pipeline-schedule dynamic --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
 	  --micro-batch-size 4 --global-batch-size 16 --lr 3e-3 \
 	  --use-distributed-optimizer --memory-pool \
 	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
@@ -77,6 +77,9 @@ bench-dp: build
 
 bench-memory: build
 	$(PY) benchmarks/memory_pool.py
+
+bench-pipeline: build
+	$(PY) benchmarks/pipeline_bench.py --compute-ms 25
 
 bench: build
 	$(VENV)/bin/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29520 \

@@ -5,10 +5,12 @@
         result = forward_backward(sched.schedule, chunks, data, loss_fn, tensor_shape=...)
         sched.observe(result)
 
-Every rank records its own stage's mean F / BI / W times and the time its
-sends took to complete; every `interval` steps one all-reduce over the world
-(not one per decision) averages them per stage and link, and every rank
-re-plans ``Schedule.dynamic(policy="adaptive", costs=measured)`` — the same
+Every rank records its own stage's mean F / BI / W times. Every `interval`
+steps, each link s <-> s+1 is timed by a short ping-pong of one activation
+between its two stages (a probe: send completion cannot be observed reliably
+on every backend while a step runs), then one all-reduce over the world (not
+one per decision) averages stage and link times, and every rank re-plans
+``Schedule.dynamic(policy="adaptive", costs=measured)`` — the same
 deterministic computation on the same numbers, so every rank (and every
 data-parallel replica) gets the same plan. A full backward B is split evenly
 between BI and W for the model.
@@ -17,6 +19,7 @@ between BI and W for the model.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch.distributed as dist
 
@@ -59,14 +62,11 @@ class AdaptiveSchedule:
         else:
             bi, bw = t.get("BI", 0.0), t.get("W", 0.0)
         self._stage[stage] += torch.tensor([t.get("F", 0.0), bi, bw, 1.0], dtype=torch.float64)
-        by_link: dict = {}
-        for link, dt in zip(result.send_link, result.send_time, strict=True):
-            by_link.setdefault(link, []).append(dt)
-        for link, dts in by_link.items():
-            self._link[link] += torch.tensor([statistics.median(dts), 1.0], dtype=torch.float64)
         self._steps += 1
         if self._steps < self.interval:
             return False
+        if result.tensor_shape is not None and self.p > 1:
+            self._probe_links(state, result.tensor_shape, result.dtype, result.device)
         both = torch.cat([self._stage.flatten(), self._link.flatten()])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(both)
@@ -82,3 +82,27 @@ class AdaptiveSchedule:
         self.replans += 1
         self._reset()
         return old != [self.schedule.actions(s) for s in range(self.p)]
+
+    def _probe_links(self, state, shape, dtype, device, rounds: int = 3) -> None:
+        """Median one-way time of one activation over each link this rank
+        touches (links in increasing order on every rank: no deadlock)."""
+        stage, ranks = state.pp_rank, state.group_ranks["pp"]
+        buf = torch.zeros(shape, dtype=dtype, device=device)
+        for link in range(self.p if self.v > 1 else self.p - 1):
+            a, b = link, (link + 1) % self.p
+            if stage not in (a, b) or a == b:
+                continue
+            peer = ranks[b if stage == a else a]
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                if stage == a:
+                    dist.send(buf, peer, group=state.pipeline_group)
+                    dist.recv(buf, peer, group=state.pipeline_group)
+                else:
+                    dist.recv(buf, peer, group=state.pipeline_group)
+                    dist.send(buf, peer, group=state.pipeline_group)
+                times.append((time.perf_counter() - t0) / 2)
+            if stage == a:  # count each link once
+                self._link[link] += torch.tensor([statistics.median(times), 1.0],
+                                                 dtype=torch.float64)

@@ -52,6 +52,9 @@ class PipelineResult:
     send_time: list = field(default_factory=list)  #: per send: seconds until seen complete
     send_link: list = field(default_factory=list)  #: per send: link s (stage s <-> s+1)
     step_time: float = 0.0
+    tensor_shape: tuple | None = None  #: of the tensors between stages
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
 
 
 class _P2P:
@@ -174,7 +177,8 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     if forward_only:
         actions = [a for a in actions if a.type in ("F", "SEND_ACT", "RECV_ACT")]
     device = next(iter(chunks[0].parameters())).device
-    result = PipelineResult()
+    result = PipelineResult(tensor_shape=tuple(tensor_shape) if tensor_shape else None,
+                            dtype=dtype, device=device)
     p2p = _P2P(state, schedule, tensor_shape, dtype, device)
     p2p.result = result
     final = set() if forward_only else _final_backwards(actions, v)
