@@ -11,7 +11,8 @@
 
     python benchmarks/memory_pool.py [--skip-record]
 
-Traces of rank 0 are kept in benchmarks/traces/ (the GPU script replays them).
+Traces of rank 0 (and of the last stage, rank 3, for pipeline runs) are kept
+in benchmarks/traces/ (the GPU script replays them).
 """
 
 import argparse
@@ -34,7 +35,15 @@ CONFIGS = {
     "gpt_tp2_dp2_zero1": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
     "gpt_dp4_zero1_int8": ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer",
                            "--grad-compression", "int8"],
+    "gpt_tp2_pp2_zb": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--pipeline-schedule", "zero-bubble"],
+    "gpt_pp2_dp2_zero1_dyn": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                              "dynamic", "--use-distributed-optimizer"],
+    "gpt_pp2_vpp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--virtual-pipeline-model-parallel-size", "2"],
 }
+# Pipeline runs: the first stage (rank 0) and the last (rank 3: loss and logits).
+KEEP = {name: (0, 3) if "pp" in name else (0,) for name in CONFIGS}
 
 
 def record(name, flags, port):
@@ -45,9 +54,10 @@ def record(name, flags, port):
            "--memory-pool", "--record-alloc-trace", out, "--output-dir",
            os.path.join(ROOT, "runs", "traces", name)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for r in (1, 2, 3):  # keep rank 0's trace only
-        os.remove(out.replace("{rank}", str(r)))
-    return out.replace("{rank}", "0")
+    for r in (0, 1, 2, 3):
+        if r not in KEEP[name]:
+            os.remove(out.replace("{rank}", str(r)))
+    return [out.replace("{rank}", str(r)) for r in KEEP[name]]
 
 
 def main():
@@ -62,25 +72,27 @@ def main():
     os.makedirs(TRACES, exist_ok=True)
     traces = []
     for i, (name, flags) in enumerate(CONFIGS.items()):
-        path = os.path.join(TRACES, f"{name}.rank0.trace")
-        if not args.skip_record or not os.path.exists(path):
+        paths = [os.path.join(TRACES, f"{name}.rank{r}.trace") for r in KEEP[name]]
+        if not args.skip_record or not all(os.path.exists(p) for p in paths):
             print(f"recording {name} ...", flush=True)
-            path = record(name, flags, 29540 + i)
-        traces.append((name, path))
+            paths = record(name, flags, 29540 + i)
+        for r, path in zip(KEEP[name], paths, strict=True):
+            traces.append((name if r == 0 else f"{name}.r{r}", path))
     rows = []
     for name, path in traces:
         res = {label: mapp.memory.replay(path, pol, expandable_segments=exp)
                for label, pol, exp in (("torch-like", "torch-like", False),
                                        ("ours-plain", "ours", False), ("ours", "ours", True))}
         rows.append((name, res))
-    print("\nreplay of GPT allocation traces (rank 0), same requests through each policy")
-    print(f"{'trace':<16} {'ops':>7} {'peak alloc':>11} | {'reserved: torch-like':>21} "
+    print("\nreplay of GPT allocation traces (rank 0; .r3 = last pipeline stage), same requests "
+          "through each policy")
+    print(f"{'trace':<24} {'ops':>7} {'peak alloc':>11} | {'reserved: torch-like':>21} "
           f"{'ours-plain':>11} {'ours':>9} | {'util: torch-like':>17} {'ours-plain':>11} "
           f"{'ours':>7} | {'ns/op torch-like':>16} {'ours':>6}")
     mib = 2 ** 20
     for name, res in rows:
         t, o, e = res["torch-like"], res["ours-plain"], res["ours"]
-        print(f"{name:<16} {t['operations']:>7} {t['peak_allocated_bytes'] / mib:>9.1f}Mi | "
+        print(f"{name:<24} {t['operations']:>7} {t['peak_allocated_bytes'] / mib:>9.1f}Mi | "
               f"{t['peak_reserved_bytes'] / mib:>19.1f}Mi {o['peak_reserved_bytes'] / mib:>9.1f}Mi "
               f"{e['peak_reserved_bytes'] / mib:>7.1f}Mi | {100 * t['utilization']:>16.1f}% "
               f"{100 * o['utilization']:>10.1f}% {100 * e['utilization']:>6.1f}% | "

@@ -17,7 +17,7 @@ using internal::Topo;
 namespace {
 Action F(int mb, int c = 0) { return {ActionType::kForward, mb, c, -1}; }
 Action B(int mb, int c = 0) { return {ActionType::kBackward, mb, c, -1}; }
-constexpr double kInf = std::numeric_limits<double>::infinity();
+using internal::kInf;
 }  // namespace
 
 Schedule gpipe(int p, int m) {
@@ -94,8 +94,8 @@ void Costs::check(int p) const {
     MAPP_CHECK(static_cast<int>(x.size()) == p, "pipeline costs: '", name, "' has ", x.size(),
                " entries, expected one per stage (", p, ")");
     for (double t : x) {
-      MAPP_CHECK(t >= 0 && t < kInf, "pipeline costs: '", name,
-                 "' must be finite and >= 0, got ", t);
+      MAPP_CHECK(t >= 0 && t < kInf, "pipeline costs: '", name, "' must be finite and >= 0, got ",
+                 t);
     }
   };
   one(forward, "forward");
@@ -118,10 +118,14 @@ Policy parse_policy(const std::string& name) {
 
 const char* policy_name(Policy p) {
   switch (p) {
-    case Policy::kDepthFirst: return "dfc";
-    case Policy::kBreadthFirst: return "bfc";
-    case Policy::kAuto: return "auto";
-    case Policy::kAdaptive: return "adaptive";
+    case Policy::kDepthFirst:
+      return "dfc";
+    case Policy::kBreadthFirst:
+      return "bfc";
+    case Policy::kAuto:
+      return "auto";
+    case Policy::kAdaptive:
+      return "adaptive";
   }
   return "?";
 }
@@ -141,8 +145,8 @@ struct Caps {
 // forwards (depth-first). A microbatch enters a stage (its first-chunk F) only
 // when the memory cap has room for all v of its chunks, so it can always
 // finish its forwards and the plan never deadlocks on memory.
-Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
-              const Caps& caps, const Costs& costs) {
+Schedule plan(const std::string& name, int p, int m, int v, bool backward_first, const Caps& caps,
+              const Costs& costs) {
   for (int st = 0; st < p; ++st) {
     MAPP_CHECK(caps.memory[st] >= v, "pipeline planner '", name, "': a memory limit of ",
                caps.memory[st], " activations on stage ", st, " is below the ", v,
@@ -158,8 +162,8 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
   std::vector<double> link_free(2 * p, 0.0);  // [link * 2 + direction]
   struct Stage {
     double free = 0;
-    std::vector<int> next_f, next_b;  // per chunk: next microbatch
-    std::vector<std::vector<double>> f_end;  // [chunk][mb]
+    std::vector<int> next_f, next_b;            // per chunk: next microbatch
+    std::vector<std::vector<double>> f_end;     // [chunk][mb]
     std::deque<std::pair<int, int>> pending_w;  // (mb, chunk)
     int live = 0, done = 0;
     int reserved = 0;  // forwards still owed to microbatches that entered
@@ -211,8 +215,7 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
     auto best_b = [&]() -> Pick {
       Pick b;
       for (int c = v - 1; c >= 0; --c) {  // earlier microbatch first, then deeper chunk
-        if (ready_b(st, c) <= now &&
-            (b.mb < 0 || S.next_b[c] < b.mb)) {
+        if (ready_b(st, c) <= now && (b.mb < 0 || S.next_b[c] < b.mb)) {
           b = {now, ActionType::kBackwardInput, S.next_b[c], c};
         }
       }
@@ -222,9 +225,8 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
       Pick f;
       for (int c = 0; c < v; ++c) {
         if (ready_f(st, c) > now || !may_forward(st, c)) continue;
-        const bool better = f.mb < 0 ||
-                            (backward_first ? c > f.chunk  // depth-first: deepest chunk
-                                            : false);      // breadth-first: lowest chunk
+        const bool better = f.mb < 0 || (backward_first ? c > f.chunk  // depth-first: deepest chunk
+                                                        : false);  // breadth-first: lowest chunk
         if (better) f = {now, ActionType::kForward, S.next_f[c], c};
       }
       return f;
@@ -258,15 +260,7 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
 
   const int total = per_stage * p;
   for (int step = 0; step < total; ++step) {
-    int st = -1;
-    double when = kInf;
-    for (int q = 0; q < p; ++q) {
-      const double d = decision_time(q);
-      if (d < when) {
-        when = d;
-        st = q;
-      }
-    }
+    const auto [st, when] = internal::earliest_stage(p, decision_time);
     MAPP_CHECK(st >= 0, "pipeline planner '", name,
                "': no stage can make progress (memory limit too small?)");
     Pick pk = choose(st, when);
@@ -399,8 +393,7 @@ Schedule dynamic(int p, int m, int v, Policy policy, std::optional<int> memory_l
       best = &s;
     }
   }
-  MAPP_CHECK(best != nullptr, "dynamic(adaptive): no candidate schedule fits memory_limit=",
-             limit);
+  MAPP_CHECK(best != nullptr, "dynamic(adaptive): no candidate schedule fits memory_limit=", limit);
   Schedule out = *best;
   out.name = prefix + "(" + best->name + ")";
   return out;

@@ -1,8 +1,7 @@
 // Schedule import/export: CSV and JSON. Parsers treat their input as hostile:
 // every malformed field is a ValueError naming the line or element.
-#include <nlohmann/json.hpp>
-
 #include <charconv>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "mapp/common/check.h"
@@ -60,8 +59,8 @@ std::string to_csv(const Schedule& s) {
   os << "stage,type,microbatch,chunk,peer\n";
   for (int st = 0; st < s.stages; ++st) {
     for (const auto& a : s.actions[st]) {
-      os << st << "," << type_name(a.type) << "," << a.microbatch << "," << a.chunk << ","
-         << a.peer << "\n";
+      os << st << "," << type_name(a.type) << "," << a.microbatch << "," << a.chunk << "," << a.peer
+         << "\n";
     }
   }
   return os.str();
@@ -126,9 +125,8 @@ std::string to_json(const Schedule& s) {
   for (const auto& list : s.actions) {
     auto arr = nlohmann::json::array();
     for (const auto& a : list) {
-      nlohmann::json e = {{"type", type_name(a.type)},
-                          {"microbatch", a.microbatch},
-                          {"chunk", a.chunk}};
+      nlohmann::json e = {
+          {"type", type_name(a.type)}, {"microbatch", a.microbatch}, {"chunk", a.chunk}};
       if (!a.is_compute()) e["peer"] = a.peer;
       arr.push_back(std::move(e));
     }

@@ -174,8 +174,7 @@ std::string validate_impl(const Schedule& s) {
   std::ostringstream err;
   if (s.stages < 1 || s.microbatches < 1 || s.chunks < 1) {
     err << "schedule '" << s.name << "' has stages=" << s.stages
-        << ", microbatches=" << s.microbatches << ", chunks=" << s.chunks
-        << "; all must be >= 1";
+        << ", microbatches=" << s.microbatches << ", chunks=" << s.chunks << "; all must be >= 1";
     return err.str();
   }
   if (static_cast<int>(s.actions.size()) != s.stages) {
@@ -200,8 +199,8 @@ std::string validate_impl(const Schedule& s) {
     for (std::size_t i = 0; i < list.size(); ++i) {
       const Action& a = list[i];
       if (a.microbatch < 0 || a.microbatch >= m || a.chunk < 0 || a.chunk >= v) {
-        err << where(st, i, a) << ": microbatch must lie in [0, " << m << ") and chunk in [0, "
-            << v << ")";
+        err << where(st, i, a) << ": microbatch must lie in [0, " << m << ") and chunk in [0, " << v
+            << ")";
         return err.str();
       }
       int& d = done[static_cast<std::size_t>(a.microbatch) * v + a.chunk];
@@ -321,8 +320,8 @@ std::string validate_impl(const Schedule& s) {
         if (pc[q] >= s.actions[q].size()) continue;
         const Action& a = s.actions[q][pc[q]];
         err << (first ? "" : "; ") << where(q, pc[q], a) << " waits for "
-            << (a.type == ActionType::kForward ? "an activation" : "a gradient")
-            << " from stage " << message_of(t, q, a).peer;
+            << (a.type == ActionType::kForward ? "an activation" : "a gradient") << " from stage "
+            << message_of(t, q, a).peer;
         first = false;
       }
       return err.str();

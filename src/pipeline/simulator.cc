@@ -12,9 +12,7 @@
 
 namespace mapp::pipeline {
 
-namespace {
-constexpr double kInf = std::numeric_limits<double>::infinity();
-}
+using internal::kInf;
 
 SimResult simulate(const Schedule& sched, const Costs& costs) {
   Schedule s = sched;
@@ -51,24 +49,24 @@ SimResult simulate(const Schedule& sched, const Costs& costs) {
   };
   const std::size_t total = s.num_actions();
   for (std::size_t step = 0; step < total; ++step) {
-    int st = -1;
-    double when = kInf;
-    for (int q = 0; q < p; ++q) {
-      const double d = next_start(q);
-      if (d < when) {
-        when = d;
-        st = q;
-      }
-    }
+    const auto [st, when] = internal::earliest_stage(p, next_start);
     MAPP_CHECK(st >= 0, "simulate: internal error, no stage can progress");
     const Action& a = s.actions[st][pc[st]++];
     const int vs = t.vstage(st, a.chunk);
     double dur = 0;
     switch (a.type) {
-      case ActionType::kForward: dur = costs.forward[st]; break;
-      case ActionType::kBackward: dur = costs.backward_input[st] + costs.backward_weight[st]; break;
-      case ActionType::kBackwardInput: dur = costs.backward_input[st]; break;
-      case ActionType::kBackwardWeight: dur = costs.backward_weight[st]; break;
+      case ActionType::kForward:
+        dur = costs.forward[st];
+        break;
+      case ActionType::kBackward:
+        dur = costs.backward_input[st] + costs.backward_weight[st];
+        break;
+      case ActionType::kBackwardInput:
+        dur = costs.backward_input[st];
+        break;
+      case ActionType::kBackwardWeight:
+        dur = costs.backward_weight[st];
+        break;
       case ActionType::kSendActivation:
       case ActionType::kSendGrad: {
         const bool fwd = a.type == ActionType::kSendActivation;
@@ -80,7 +78,8 @@ SimResult simulate(const Schedule& sched, const Costs& costs) {
         r.timeline.push_back({st, a, start, lf});
         continue;
       }
-      default: continue;  // receives are posted, never waited on
+      default:
+        continue;  // receives are posted, never waited on
     }
     free[st] = when + dur;
     r.busy[st] += dur;
@@ -107,8 +106,8 @@ std::string chrome_trace(const Schedule& s, const SimResult& r) {
   };
   for (int st = 0; st < s.stages; ++st) {
     sep();
-    os << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << st
-       << ",\"args\":{\"name\":\"stage " << st << "\"}}";
+    os << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << st << ",\"args\":{\"name\":\"stage "
+       << st << "\"}}";
     const char* threads[] = {"compute", "send activations", "send gradients"};
     for (int tid = 0; tid < 3; ++tid) {
       sep();

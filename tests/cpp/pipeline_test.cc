@@ -35,8 +35,8 @@ TEST(PipelineSchedule, GeneratorsAreValid) {
       if (p > 1) {
         for (int v : {2, 3}) {
           if (m % p == 0) EXPECT_EQ(pl::validate(pl::interleaved(p, m, v)), "");
-          for (auto pol : {pl::Policy::kDepthFirst, pl::Policy::kBreadthFirst,
-                           pl::Policy::kAuto, pl::Policy::kAdaptive}) {
+          for (auto pol : {pl::Policy::kDepthFirst, pl::Policy::kBreadthFirst, pl::Policy::kAuto,
+                           pl::Policy::kAdaptive}) {
             const auto s = pl::dynamic(p, m, v, pol);
             EXPECT_EQ(pl::validate(s), "") << s.name << " p=" << p << " m=" << m << " v=" << v;
           }
@@ -168,10 +168,8 @@ TEST(PipelineValidator, RejectsBrokenSchedulesNamingTheAction) {
     pl::add_communication(b);
     const auto e = pl::validate(b);
     EXPECT_EQ(e.rfind("deadlock: stage 0", 0), 0u) << e;
-    EXPECT_NE(e.find("B(mb=0, chunk=0) waits for a gradient from stage 1"), std::string::npos)
-        << e;
-    EXPECT_NE(e.find("F(mb=1, chunk=0) waits for an activation from stage 0"),
-              std::string::npos)
+    EXPECT_NE(e.find("B(mb=0, chunk=0) waits for a gradient from stage 1"), std::string::npos) << e;
+    EXPECT_NE(e.find("F(mb=1, chunk=0) waits for an activation from stage 0"), std::string::npos)
         << e;
   }
   // Wrong peer.
@@ -263,14 +261,22 @@ TEST(PipelineIO, RoundTripsAndRejectsMalformedInput) {
     }
   };
   expect_error("stage,type,microbatch,chunk\n", "stages, microbatches and chunks", false);
-  expect_error("# megatronapp schedule stages=1 microbatches=1 chunks=1\nstage,type,microbatch,chunk\n0,X,0,0\n",
-               "unknown pipeline action type 'X'", false);
-  expect_error("# megatronapp schedule stages=1 microbatches=1 chunks=1\nstage,type,microbatch,chunk\n0,F,zero,0\n",
-               "line 3: microbatch must be an integer", false);
-  expect_error("# megatronapp schedule stages=1 microbatches=1 chunks=1\nstage,type,microbatch,chunk\n5,F,0,0\n",
-               "stage 5 out of range", false);
-  expect_error("# megatronapp schedule stages=1 microbatches=1 chunks=1\nstage,type,microbatch,chunk\n0,F,0,0\n",
-               "never runs B", false);
+  expect_error(
+      "# megatronapp schedule stages=1 microbatches=1 "
+      "chunks=1\nstage,type,microbatch,chunk\n0,X,0,0\n",
+      "unknown pipeline action type 'X'", false);
+  expect_error(
+      "# megatronapp schedule stages=1 microbatches=1 "
+      "chunks=1\nstage,type,microbatch,chunk\n0,F,zero,0\n",
+      "line 3: microbatch must be an integer", false);
+  expect_error(
+      "# megatronapp schedule stages=1 microbatches=1 "
+      "chunks=1\nstage,type,microbatch,chunk\n5,F,0,0\n",
+      "stage 5 out of range", false);
+  expect_error(
+      "# megatronapp schedule stages=1 microbatches=1 "
+      "chunks=1\nstage,type,microbatch,chunk\n0,F,0,0\n",
+      "never runs B", false);
   expect_error("{", "does not parse", true);
   expect_error("[]", "top level must be an object", true);
   expect_error(R"({"stages":1,"microbatches":1,"actions":[[{"type":"F","microbatch":"0"}]]})",

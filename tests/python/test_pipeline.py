@@ -161,6 +161,9 @@ def test_schedule_api_and_closed_forms(tmp_path):
         pl.Schedule.dynamic(2, 4, policy="fastest")
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         pl.Schedule.by_name("2f2b", 2, 4)
+    # latency + bytes / bandwidth: one GPipe microbatch crosses each link twice
+    r = pl.simulate(pl.Schedule.gpipe(2, 1), p2p=0.01, bandwidth=1e9, message_bytes=1e8)
+    assert abs(r.makespan - (3 * 2 + 2 * (0.01 + 0.1))) < 1e-12
     r = pl.simulate(pl.Schedule.zero_bubble(4, 8), p2p=0.1)
     r.gantt(tmp_path / "zb.png")
     import json

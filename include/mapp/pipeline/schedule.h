@@ -49,9 +49,9 @@ struct Action {
   }
 };
 
-const char* type_name(ActionType t);                 // "F", "B", "BI", "W", "SEND_ACT", ...
-ActionType parse_type(const std::string& name);      // inverse; ValueError if unknown
-std::string to_string(const Action& a);              // "F(mb=3, chunk=0)", "SEND_ACT(mb=3, chunk=0, peer=1)"
+const char* type_name(ActionType t);             // "F", "B", "BI", "W", "SEND_ACT", ...
+ActionType parse_type(const std::string& name);  // inverse; ValueError if unknown
+std::string to_string(const Action& a);  // "F(mb=3, chunk=0)", "SEND_ACT(mb=3, chunk=0, peer=1)"
 
 struct Schedule {
   std::string name;

@@ -202,12 +202,21 @@ class SimulationResult:
 
 
 def simulate(schedule: Schedule, forward=1.0, backward_input=1.0, backward_weight=1.0,
-             p2p=0.0) -> SimulationResult:
+             p2p=0.0, *, bandwidth=None, message_bytes: float = 0.0) -> SimulationResult:
     """Event-driven simulation of `schedule` (executor semantics: sends and
     receives never block, a compute action waits for its input; each direction
     of a link carries one message at a time). Times are numbers or per-stage
-    lists; a full backward costs backward_input + backward_weight."""
-    c = costs(schedule.stages, forward, backward_input, backward_weight, p2p)
+    lists; a full backward costs backward_input + backward_weight. `p2p` is the
+    per-message latency of each link s <-> s+1; with `bandwidth` (bytes/s, a
+    number or per link) a message also takes message_bytes / bandwidth."""
+    p = schedule.stages
+    link = _per_stage(p2p, p, "p2p")
+    if bandwidth is not None:
+        bw = _per_stage(bandwidth, p, "bandwidth")
+        if any(b <= 0 for b in bw):
+            raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+        link = [t + message_bytes / b for t, b in zip(link, bw, strict=True)]
+    c = costs(p, forward, backward_input, backward_weight, link)
     r = _pl.simulate(schedule._s, c)
     return SimulationResult(schedule, r.makespan, r.bubble_fraction, list(r.peak_activations),
                             list(r.busy), r.timeline, r)
