@@ -12,6 +12,7 @@
 #include "mapp/memory/trace.h"
 #include "mapp/pipeline/schedule.h"
 #include "mapp/topology/rank_grid.h"
+#include "mapp/trace/tracer.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
 
@@ -260,6 +261,70 @@ void register_pipeline(py::module_& parent) {
   m.def("chrome_trace", &pl::chrome_trace, py::arg("schedule"), py::arg("result"));
 }
 
+void register_trace(py::module_& parent) {
+  namespace tr = mapp::trace;
+  auto m = parent.def_submodule("trace", "Tracer (C++ core)");
+  m.def("start", [](int rank, const std::string& path, std::size_t capacity,
+                    int flush_interval_ms, bool enabled) {
+    tr::TracerOptions o;
+    o.capacity = capacity;
+    o.flush_interval_ms = flush_interval_ms;
+    o.enabled = enabled;
+    tr::install(std::make_unique<tr::Tracer>(rank, path, o));
+  }, py::arg("rank"), py::arg("path"), py::arg("capacity") = 1 << 16,
+     py::arg("flush_interval_ms") = 200, py::arg("enabled") = true);
+  m.def("stop", [] {
+    py::gil_scoped_release release;
+    tr::uninstall();
+  });
+  m.def("active", [] { return tr::global() != nullptr; });
+  m.def("enabled", [] { return tr::global() != nullptr && tr::global()->enabled(); });
+  m.def("set_enabled", [](bool on) {
+    if (tr::global()) tr::global()->set_enabled(on);
+  });
+  m.def("set_iteration", [](int it) {
+    if (tr::global()) tr::global()->set_iteration(it);
+  });
+  m.def("flush", [] {
+    py::gil_scoped_release release;
+    if (tr::global()) tr::global()->flush();
+  });
+  m.def("stats", [] {
+    py::dict d;
+    if (tr::Tracer* t = tr::global()) {
+      d["recorded"] = t->recorded();
+      d["dropped"] = t->dropped();
+      d["bytes_written"] = t->bytes_written();
+      d["path"] = t->path();
+    }
+    return d;
+  });
+  m.def("next_seq", &tr::next_seq, py::arg("group"));
+  m.def("reset_seqs", &tr::reset_seqs);
+  // One call per finished scope (times from time.monotonic_ns, the same clock).
+  m.def("record", [](const std::string& name, const std::string& category, int lane,
+                     std::int64_t start_ns, std::int64_t end_ns, int microbatch, int chunk,
+                     int peer, std::int64_t bytes, const std::string& group, std::int64_t seq) {
+    tr::Tracer* t = tr::global();
+    if (t == nullptr || !t->enabled()) return;
+    tr::Event e;
+    e.set_name(name);
+    e.category = tr::parse_category(category);
+    e.lane = static_cast<std::uint8_t>(lane);
+    e.start_ns = start_ns;
+    e.end_ns = end_ns;
+    e.microbatch = microbatch;
+    e.chunk = chunk;
+    e.peer = peer;
+    e.bytes = bytes;
+    e.set_group(group);
+    e.seq = seq;
+    t->record(e);
+  }, py::arg("name"), py::arg("category"), py::arg("lane"), py::arg("start_ns"),
+     py::arg("end_ns"), py::arg("microbatch") = -1, py::arg("chunk") = -1, py::arg("peer") = -1,
+     py::arg("bytes") = -1, py::arg("group") = "", py::arg("seq") = -1);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -269,4 +334,5 @@ PYBIND11_MODULE(_C, m) {
   register_topology(m);
   register_memory(m);
   register_pipeline(m);
+  register_trace(m);
 }

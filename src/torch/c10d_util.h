@@ -11,6 +11,7 @@
 
 #include "mapp/common/check.h"
 #include "mapp/common/tunables.h"
+#include "mapp/trace/tracer.h"
 
 namespace mapp::torch_ext::internal {
 
@@ -26,10 +27,17 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_n
 
 // Issues a collective (`issue` returns the c10d Work) and waits for it at most
 // MAPP_COLLECTIVE_TIMEOUT_S: a hang must become an error.
+// Every collective is a trace event carrying its group and per-group sequence
+// number (counted even when tracing is off, so numbers agree across ranks).
 template <typename Issue>
-void run(const char* op, const std::string& group_name, Issue&& issue) {
+void run(const char* op, const std::string& group_name, Issue&& issue,
+         std::int64_t bytes = -1) {
   const auto timeout =
       std::chrono::milliseconds(1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
+  trace::Scope scope(op, trace::Category::kCollective);
+  scope.event().set_group(group_name);
+  scope.event().seq = trace::next_seq(group_name);
+  scope.event().bytes = bytes;
   try {
     c10::intrusive_ptr<c10d::Work> work = issue();
     work->wait(timeout);

@@ -49,7 +49,7 @@ at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
   std::vector<at::Tensor> tensors{buf};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  run("all_reduce", group_name, [&] { return pg->allreduce(tensors, opts); });
+  run("all_reduce", group_name, [&] { return pg->allreduce(tensors, opts); }, buf.nbytes());
   if (!buf.is_same(tensor)) tensor.copy_(buf);
   return tensor;
 }
@@ -66,7 +66,7 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
   std::vector<std::int64_t> shape = in.sizes().vec();
   shape[0] *= world;
   at::Tensor out = at::empty(shape, in.options());
-  run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); });
+  run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); }, in.nbytes());
   at::Tensor gathered = dim == 0 ? out : at::cat(out.chunk(world, 0), dim);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
@@ -87,7 +87,8 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
   std::vector<std::int64_t> out_shape = src.sizes().vec();
   out_shape[dim] /= world;
   at::Tensor out = at::empty(out_shape, in.options());
-  run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); });
+  run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); },
+      in.nbytes());
   return upcast ? out.to(tensor.scalar_type()) : out;
 }
 

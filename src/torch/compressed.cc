@@ -13,6 +13,7 @@
 
 #include "c10d_util.h"
 #include "mapp/common/check.h"
+#include "mapp/trace/tracer.h"
 #ifdef MAPP_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
@@ -382,6 +383,7 @@ class AsyncEngine {
     std::deque<std::packaged_task<CommStats()>> queue;
     bool started = false;
     void loop() {
+      trace::set_thread_lane(trace::kCommLane);
       for (;;) {
         std::packaged_task<CommStats()> task;
         {
@@ -420,6 +422,8 @@ std::int64_t op_all_reduce_async(at::Tensor buf, const std::string& spec,
   const Spec s = Spec::parse(spec);
   check_float_1d(buf, "compressed_all_reduce_async");
   return submit_async(group, [=]() mutable {
+    trace::Scope scope("dp bucket all-reduce", trace::Category::kCollective);
+    scope.event().bytes = buf.nbytes();
     return compressed_all_reduce(buf, s, state, layout, average, group);
   });
 }
@@ -437,6 +441,8 @@ std::int64_t op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
   const Spec s = Spec::parse(spec);
   check_float_1d(buf, "compressed_reduce_scatter_async");
   return submit_async(group, [=]() mutable {
+    trace::Scope scope("dp bucket reduce-scatter", trace::Category::kCollective);
+    scope.event().bytes = buf.nbytes();
     CommStats st;
     at::Tensor mine = compressed_reduce_scatter(buf, s, state, layout, average, group, &st);
     out.copy_(mine);
