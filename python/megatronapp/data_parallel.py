@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from . import _collectives
+from . import trace as _trace
 from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
 from .pipeline import weight_grad
@@ -291,12 +292,13 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
         step = {"raw_bytes": 0, "sent_bytes": 0}
-        for b in self.buckets:
-            if b.handle is not None:
-                b.raw_bytes, b.sent_bytes = torch.ops.mapp.wait_comm(b.handle)
-                b.handle = None
-                step["raw_bytes"] += b.raw_bytes
-                step["sent_bytes"] += b.sent_bytes
+        with _trace.scope("dp_wait", "collective", lane=0):  # the training thread waits
+            for b in self.buckets:
+                if b.handle is not None:
+                    b.raw_bytes, b.sent_bytes = torch.ops.mapp.wait_comm(b.handle)
+                    b.handle = None
+                    step["raw_bytes"] += b.raw_bytes
+                    step["sent_bytes"] += b.sent_bytes
         self._step_stats = step
         self._sync_steps += 1
 

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 import torch
 
-from . import memory
+from . import faults, memory
 from . import parallel_state as ps
+from . import trace as tracing
 from .comm import Compression
 from .data import TextDataset, default_corpus, padded_vocab_size
 from .data_parallel import DistributedDataParallel
@@ -97,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", default=None, help="text file (default: bundled KJV excerpt)")
     g.add_argument("--output-dir", default="runs/gpt", help="loss curve CSV/PNG and summary")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    g = p.add_argument_group("tracing")
+    g.add_argument("--trace", action="store_true",
+                   help="record a Chrome trace per rank (python -m megatronapp.trace aggregate)")
+    g.add_argument("--trace-dir", default="runs/trace")
+    g.add_argument("--trace-interval", type=int, default=1, metavar="N",
+                   help="trace --trace-iterations of every N iterations")
+    g.add_argument("--trace-iterations", type=int, default=None, metavar="K")
+    g.add_argument("--trace-granularity", choices=["full", "coarse"], default="full")
+    g.add_argument("--trace-detect-interval", type=int, default=0, metavar="N",
+                   help="online slow-rank detection every N traced iterations (0: off)")
     g = p.add_argument_group("memory")
     g.add_argument("--memory-pool", action="store_true",
                    help="serve tensor memory from megatronapp's caching pool; prints its summary")
@@ -212,6 +223,14 @@ def train(args) -> dict:
                              post_process=vs == pp * v - 1,
                              layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
                              seed=args.seed).to(device))
+    if args.trace:
+        c = state.grid.coord(rank)
+        tracing.start(args.trace_dir, rank, interval=args.trace_interval,
+                      iterations=args.trace_iterations, granularity=args.trace_granularity,
+                      metadata={"tp": c.tp, "pp": c.pp, "dp": c.dp, "tp_size": state.tp_size,
+                                "pp_size": state.pp_size, "dp_size": state.dp_size,
+                                "world": world})
+    faults.apply_slowdown([m for g in gpts for m in g.layers], rank)
     compression = None
     if args.grad_compression != "none":
         compression = Compression(args.grad_compression, args.grad_compression_start_iter)
@@ -243,9 +262,10 @@ def train(args) -> dict:
         ).mean()
 
     def batch_loss(split: str, it: int, backward: bool) -> float:
-        tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
-        micro = dataset.microbatches(tokens, labels, args.micro_batch_size,
-                                     state.dp_rank, state.dp_size)
+        with tracing.scope("data", "data", lane=0):
+            tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
+            micro = dataset.microbatches(tokens, labels, args.micro_batch_size,
+                                         state.dp_rank, state.dp_size)
         total = torch.zeros(1, dtype=torch.float64)
         if pp > 1:
             schedule = sched.schedule if isinstance(sched, AdaptiveSchedule) else sched
@@ -267,9 +287,11 @@ def train(args) -> dict:
             # Accumulate locally; only the last microbatch's backward syncs.
             sync = not backward or i == len(micro) - 1
             with contextlib.nullcontext() if sync else model.no_sync():
-                loss = model(x.to(device), y.to(device)).mean() / len(micro)
+                with tracing.scope("forward", "compute", lane=0, mb=i):
+                    loss = model(x.to(device), y.to(device)).mean() / len(micro)
                 if backward:
-                    loss.backward()
+                    with tracing.scope("backward", "compute", lane=0, mb=i):
+                        loss.backward()
             total += loss.detach().double().cpu()
         torch.distributed.all_reduce(total, group=state.data_group)  # SUM; divide below
         return float(total) / state.dp_size
@@ -287,18 +309,28 @@ def train(args) -> dict:
     history = []
     tokens_per_iter = args.global_batch_size * args.seq_length
     start = time.perf_counter()
+    detector = None
+    if args.trace and args.trace_detect_interval > 0:
+        from .trace.online import OnlineDetector
+
+        detector = OnlineDetector(args.trace_dir, args.trace_detect_interval, world)
     for it in range(args.train_iters):
         t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(args, it)
-        opt.zero_grad(set_to_none=True)
-        loss = batch_loss("train", it, backward=True)
-        finalize_model_grads(chunks, state)
-        if args.use_distributed_optimizer:
-            grad_norm = opt.clip_grad_norm_(args.clip_grad)
-        else:
-            grad_norm = clip_grad_norm_(all_params, args.clip_grad, state)
-        opt.step()
+        traced = tracing.begin_iteration(it)
+        with tracing.scope("iteration", "iteration", lane=0):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(args, it)
+            opt.zero_grad(set_to_none=True)
+            loss = batch_loss("train", it, backward=True)
+            with tracing.scope("optimizer", "optimizer", lane=0):
+                finalize_model_grads(chunks, state)
+                if args.use_distributed_optimizer:
+                    grad_norm = opt.clip_grad_norm_(args.clip_grad)
+                else:
+                    grad_norm = clip_grad_norm_(all_params, args.clip_grad, state)
+                opt.step()
+        if detector is not None and traced:
+            detector.after_traced_iteration(it)
         dt = time.perf_counter() - t0
         history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
                         "grad_norm": grad_norm, "seconds": dt,
@@ -315,6 +347,11 @@ def train(args) -> dict:
     if bar is not None:
         bar.close()
 
+    if args.trace:
+        stats = tracing.stats()
+        tracing.stop()
+        summary_trace = {"path": stats.get("path"), "events": stats.get("recorded"),
+                         "dropped": stats.get("dropped")}
     for c in chunks:
         c.eval()
     with torch.no_grad():
@@ -342,6 +379,10 @@ def train(args) -> dict:
     }
     if args.memory_pool:
         summary["memory"] = memory.stats(mem_device)
+    if args.trace:
+        summary["trace"] = summary_trace
+        if detector is not None:
+            summary["trace"]["detections"] = detector.reports
     summary["comm"] = {k: sum(c.comm_stats()["step"][k] for c in chunks)
                        for k in ("raw_bytes", "sent_bytes")}
     if pp > 1:

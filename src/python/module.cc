@@ -304,7 +304,8 @@ void register_trace(py::module_& parent) {
   // One call per finished scope (times from time.monotonic_ns, the same clock).
   m.def("record", [](const std::string& name, const std::string& category, int lane,
                      std::int64_t start_ns, std::int64_t end_ns, int microbatch, int chunk,
-                     int peer, std::int64_t bytes, const std::string& group, std::int64_t seq) {
+                     int peer, std::int64_t bytes, const std::string& group, std::int64_t seq,
+                     std::int64_t busy_ns) {
     tr::Tracer* t = tr::global();
     if (t == nullptr || !t->enabled()) return;
     tr::Event e;
@@ -319,10 +320,12 @@ void register_trace(py::module_& parent) {
     e.bytes = bytes;
     e.set_group(group);
     e.seq = seq;
+    e.busy_ns = busy_ns;
     t->record(e);
   }, py::arg("name"), py::arg("category"), py::arg("lane"), py::arg("start_ns"),
      py::arg("end_ns"), py::arg("microbatch") = -1, py::arg("chunk") = -1, py::arg("peer") = -1,
-     py::arg("bytes") = -1, py::arg("group") = "", py::arg("seq") = -1);
+     py::arg("bytes") = -1, py::arg("group") = "", py::arg("seq") = -1,
+     py::arg("busy_ns") = -1);
 }
 
 }  // namespace

@@ -161,6 +161,11 @@ std::string Tracer::to_json(const Event& e, int rank) {
     s += "\"";
   }
   if (e.seq >= 0) s += ",\"seq\":" + std::to_string(e.seq);
+  if (e.busy_ns >= 0) {
+    std::snprintf(num, sizeof num, ",\"busy_us\":%lld.%03lld",
+                  static_cast<long long>(e.busy_ns / 1000), static_cast<long long>(e.busy_ns % 1000));
+    s += num;
+  }
   s += "}}";
   return s;
 }

@@ -45,11 +45,14 @@ Category parse_category(const std::string& name);
 enum Lane : std::uint8_t { kMainLane = 0, kCommLane = 1, kP2PLane = 2, kUserLane = 3 };
 
 struct Event {
-  char name[40] = {};   // truncated to 39 characters
+  char name[32] = {};   // truncated to 31 characters
   char group[32] = {};  // c10d group name of a collective ("" otherwise)
   std::int64_t start_ns = 0, end_ns = 0;
   std::int64_t bytes = -1;  // payload of a transfer / collective, -1 if unknown
   std::int64_t seq = -1;    // per-group collective sequence number
+  // Time the device was busy with this op (CPU: the thread's CPU time; GPU:
+  // CUDA events), -1 if unknown. Excludes waiting for inputs or a core.
+  std::int64_t busy_ns = -1;
   std::int32_t microbatch = -1, chunk = -1, peer = -1, iteration = -1;
   Category category = Category::kUser;
   std::uint8_t lane = kMainLane;

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ import torch.distributed as dist
 
 import torch
 
+from .. import faults
+from .. import trace as _trace
 from ..parallel_state import ParallelState
 from ..tensor_parallel.utils import resolve_state
 from . import weight_grad
@@ -64,6 +67,9 @@ class _P2P:
         self.stage = state.pp_rank
         self.group = state.pipeline_group
         self.ranks = state.group_ranks["pp"]
+        self.me = self.ranks[self.stage]
+        self.delay = faults.link_delay()
+        self.trace = _trace.full()
         self.p, self.m = schedule.stages, schedule.microbatches
         self.shape, self.dtype, self.device = shape, dtype, device
         self.recvs: dict = {}
@@ -82,11 +88,17 @@ class _P2P:
         work = dist.irecv(buf, src=self.ranks[peer], group=self.group, tag=self.tag(*key))
         self.recvs[key] = (work, buf)
 
-    def wait_recv(self, key) -> torch.Tensor:
+    def wait_recv(self, key, peer: int) -> torch.Tensor:
         work, buf = self.recvs.pop(key)
-        t0 = time.perf_counter()
+        t0 = time.monotonic_ns()
         work.wait()
-        self.result.recv_wait_time += time.perf_counter() - t0
+        t1 = time.monotonic_ns()
+        self.result.recv_wait_time += (t1 - t0) / 1e9
+        if self.trace:
+            src = self.ranks[peer]
+            _trace.record("recv_wait", "p2p", t0, t1, mb=key[1], peer=src,
+                          bytes=buf.numel() * buf.element_size(), group=f"p2p:{src}->{self.me}",
+                          seq=self.tag(*key))
         return buf
 
     def send(self, key, tensor: torch.Tensor, peer: int) -> None:
@@ -96,7 +108,16 @@ class _P2P:
                 f"forward_backward: a stage produced a tensor of shape {tuple(tensor.shape)} "
                 f"and dtype {tensor.dtype} but tensor_shape={tuple(self.shape)}, "
                 f"dtype={self.dtype} were given; every stage boundary must match them")
-        work = dist.isend(tensor, dst=self.ranks[peer], group=self.group, tag=self.tag(*key))
+        dst, tag = self.ranks[peer], self.tag(*key)
+        t0 = time.monotonic_ns()
+        if self.delay is not None and self.delay["rank"] == self.me and self.delay["peer"] == dst:
+            work = _DelayedSend(tensor, dst, self.group, tag, self.delay["ms"] / 1e3)
+        else:
+            work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        if self.trace:
+            _trace.record("send", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1], peer=dst,
+                          bytes=tensor.numel() * tensor.element_size(),
+                          group=f"p2p:{self.me}->{dst}", seq=tag)
         link = self.stage if key[0] == 0 else peer  # activations go forward, gradients back
         self.sends.append((work, tensor, time.perf_counter(), link))
 
@@ -125,6 +146,32 @@ class _P2P:
         self.sends = []
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
+
+
+class _DelayedSend:
+    """An isend issued `delay` seconds later from a timer thread (fault
+    injection of a slow link: the sender does not wait)."""
+
+    def __init__(self, tensor, dst, group, tag, delay):
+        self._work = None
+        self._error = None
+        self._thread = threading.Timer(delay, self._issue, (tensor, dst, group, tag))
+        self._thread.start()
+
+    def _issue(self, tensor, dst, group, tag):
+        try:
+            self._work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+        except Exception as e:  # surfaced by wait()
+            self._error = e
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._work.wait()
 
 
 def _final_backwards(actions, chunks: int) -> set:
@@ -196,6 +243,15 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
             batches.append(next(data_iterator))
         return batches[mb]
 
+    recv_peer = {}  # (kind, mb, chunk) -> peer stage, from this stage's RECV actions
+    for a in actions:
+        if a.type in ("RECV_ACT", "RECV_GRAD"):
+            recv_peer[(0 if a.type == "RECV_ACT" else 1, a.microbatch, a.chunk)] = a.peer
+
+    def a_peer(i):
+        a = actions[i]
+        return recv_peer[(0 if a.type == "F" else 1, a.microbatch, a.chunk)]
+
     stash: dict = {}  # (mb, chunk) -> (input, output)
     wstore: dict = {}  # (mb, chunk) -> WeightGradStore
     live = 0
@@ -218,12 +274,14 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                     p2p.send((1, mb, vs - 1), stash.pop((mb, c))[0].grad, a.peer)
                 else:
                     if a.type == "F":
-                        x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs))
+                        x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs), a_peer(i))
                         if vs > 0 and not forward_only:
                             x.requires_grad_(True)
                     elif a.type in ("B", "BI") and vs < last_vs:
-                        dy = p2p.wait_recv((1, mb, vs))
+                        dy = p2p.wait_recv((1, mb, vs), a_peer(i))
                     t0 = time.perf_counter()
+                    t0_ns = time.monotonic_ns() if p2p.trace else 0
+                    busy0 = time.thread_time_ns() if p2p.trace else 0
                     if a.type == "F":
                         out = chunks[c](x)
                         if vs == last_vs:
@@ -256,6 +314,9 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                                 else:
                                     stash[(mb, c)] = (x, None)
                     times[a.type].append(time.perf_counter() - t0)
+                    if p2p.trace:
+                        _trace.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb,
+                                      chunk=c, busy_ns=time.thread_time_ns() - busy0)
                 p2p.poll()
             p2p.finish()
         if forward_only:

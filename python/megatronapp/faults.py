@@ -1,0 +1,102 @@
+"""Fault injection for tests and demos (docs/tracing.md).
+
+``MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward"`` emulates a
+down-clocked device on global rank 1: every transformer layer's forward
+(``phase=forward``), backward (``backward``) or both (``all``) does `factor`
+times its work — the layer runs, then keeps the device (here: its CPU thread)
+busy for (factor - 1) x the busy time it just took before its output (or input
+gradient) is released, so the busy time grows like a slower device's and the
+collectives that depend on the layer are delayed accordingly.
+
+``MAPP_INJECT_LINK_DELAY="rank=2,peer=3,ms=5"`` delays every pipeline message
+from global rank 2 to global rank 3 by 5 ms without blocking the sender (the
+send is issued later from a timer thread), emulating a slow link.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["slowdown", "link_delay", "apply_slowdown"]
+
+_PHASES = ("forward", "backward", "all")
+
+
+def _parse(var: str, keys: dict) -> dict | None:
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise ValueError(f"{var}='{text}': expected comma-separated key=value pairs "
+                             f"with keys {sorted(keys)}")
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k not in keys:
+            raise ValueError(f"{var}: unknown key '{k}' (expected {sorted(keys)})")
+        try:
+            out[k] = keys[k](v)
+        except ValueError:
+            raise ValueError(f"{var}: bad value '{v}' for '{k}'") from None
+    missing = [k for k in keys if k not in out and k != "phase"]
+    if missing:
+        raise ValueError(f"{var}='{text}': missing {missing}")
+    return out
+
+
+def slowdown() -> dict | None:
+    """The parsed MAPP_INJECT_SLOWDOWN, or None."""
+    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": int, "factor": float, "phase": str})
+    if spec is None:
+        return None
+    spec.setdefault("phase", "all")
+    if spec["phase"] not in _PHASES:
+        raise ValueError(f"MAPP_INJECT_SLOWDOWN: phase must be one of {_PHASES}, "
+                         f"got '{spec['phase']}'")
+    if spec["factor"] < 1.0:
+        raise ValueError(f"MAPP_INJECT_SLOWDOWN: factor must be >= 1, got {spec['factor']}")
+    return spec
+
+
+def link_delay() -> dict | None:
+    """The parsed MAPP_INJECT_LINK_DELAY, or None."""
+    spec = _parse("MAPP_INJECT_LINK_DELAY", {"rank": int, "peer": int, "ms": float})
+    if spec is not None and spec["ms"] < 0:
+        raise ValueError("MAPP_INJECT_LINK_DELAY: ms must be >= 0")
+    return spec
+
+
+def apply_slowdown(modules, rank: int) -> bool:
+    """Hooks `modules` (e.g. every transformer layer) if MAPP_INJECT_SLOWDOWN
+    names `rank`. Returns whether anything was hooked."""
+    spec = slowdown()
+    if spec is None or spec["rank"] != rank or spec["factor"] == 1.0:
+        return False
+    extra = spec["factor"] - 1.0
+    fwd = spec["phase"] in ("forward", "all")
+    bwd = spec["phase"] in ("backward", "all")
+    for m in modules:
+        if fwd:
+            m.register_forward_pre_hook(_start_timer("_mapp_fwd_t0"))
+            m.register_forward_hook(_stall("_mapp_fwd_t0", extra))
+        if bwd:
+            m.register_full_backward_pre_hook(_start_timer("_mapp_bwd_t0"))
+            m.register_full_backward_hook(_stall("_mapp_bwd_t0", extra))
+    return True
+
+
+def _start_timer(attr):
+    def hook(module, *_):
+        setattr(module, attr, time.thread_time_ns())
+    return hook
+
+
+def _stall(attr, extra):
+    def hook(module, *_):
+        t0 = getattr(module, attr, None)
+        if t0 is not None:
+            until = time.thread_time_ns() + int(extra * (time.thread_time_ns() - t0))
+            while time.thread_time_ns() < until:  # busy: the device is working
+                pass
+    return hook

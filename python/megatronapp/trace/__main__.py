@@ -1,0 +1,42 @@
+"""``python -m megatronapp.trace aggregate DIR -o merged.json [--detect]``"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .aggregate import merge
+from .detect import DEFAULT_THRESHOLD, detect, format_report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="megatronapp-trace", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ag = sub.add_parser("aggregate", help="merge per-rank traces (and detect slow ranks)")
+    ag.add_argument("directory")
+    ag.add_argument("-o", "--output", default="merged.json")
+    ag.add_argument("--detect", action="store_true")
+    ag.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
+    ag.add_argument("--report", default=None, help="write the detection report as JSON")
+    args = ap.parse_args(argv)
+    try:
+        summary = merge(args.directory, args.output)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"merged {len(summary['ranks'])} ranks, {summary['events']} events, "
+          f"{summary['flows']} P2P flows -> {args.output}; clocks aligned on "
+          f"{summary['instances']} collectives (residual {summary['residual_us']:.1f} us)")
+    if args.detect:
+        report = detect(summary["aligned"], summary["meta"], args.threshold)
+        report["alignment_residual_us"] = summary["residual_us"]
+        print(format_report(report))
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
