@@ -128,7 +128,8 @@ def scope(name: str, category: str = "user", *, lane: int | None = None, mb: int
     User scopes go to their own lane so they never overlap runtime events.
     Compute scopes also record the thread's CPU time (the busy time of a CPU
     device: waiting for a collective or for a core does not count)."""
-    if not _tr.enabled():
+    if not _tr.enabled() or (category in ("compute", "p2p")
+                             and _STATE["granularity"] == "coarse"):
         yield
         return
     busy0 = time.thread_time_ns() if category == "compute" else None
