@@ -92,10 +92,12 @@ def detection(args, tmp):
         top = rep["suspects"][0]["rank"] if rep["suspects"] else None
         top_score = rep["all"][0]["score"]
         results.append({"kind": kind, "factor": factor, "layout": layout, "phase": phase,
-                        "culprit": culprit, "predicted": top, "top_score": top_score})
+                        "culprit": culprit, "predicted": top, "top_score": top_score,
+                        "top_rank": rep["all"][0]["rank"], "top_cause": rep["all"][0]["cause"],
+                        "scores": {s["rank"]: s["score"] for s in rep["all"]}})
         shutil.rmtree(d, ignore_errors=True)
         print(f"  trial {i}: {kind} {factor or ''} {layout} {phase or ''} culprit {culprit} -> "
-              f"{top} (top score {top_score:.2f})", flush=True)
+              f"{top} (top: rank {rep['all'][0]['rank']} score {top_score:.2f})", flush=True)
     summary = {}
     healthy_fp = sum(r["predicted"] is not None for r in results if r["kind"] == "healthy")
     for f in (1.2, 1.5, 2.0):
@@ -107,6 +109,8 @@ def detection(args, tmp):
                       "wrong_rank": wrong}
     summary["healthy_false_positives"] = healthy_fp
     summary["healthy_runs"] = args.trials
+    summary["threshold"] = DEFAULT_THRESHOLD
+    summary["healthy_max_score"] = max(r["top_score"] for r in results if r["kind"] == "healthy")
     print("detection:", json.dumps(summary))
     return {"summary": summary, "trials": results}
 

@@ -229,7 +229,7 @@ def train(args) -> dict:
                       iterations=args.trace_iterations, granularity=args.trace_granularity,
                       metadata={"tp": c.tp, "pp": c.pp, "dp": c.dp, "tp_size": state.tp_size,
                                 "pp_size": state.pp_size, "dp_size": state.dp_size,
-                                "world": world})
+                                "world": world}, device=device.type)
     faults.apply_slowdown([m for g in gpts for m in g.layers], rank)
     compression = None
     if args.grad_compression != "none":

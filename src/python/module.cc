@@ -13,6 +13,7 @@
 #include "mapp/pipeline/schedule.h"
 #include "mapp/topology/rank_grid.h"
 #include "mapp/trace/tracer.h"
+#include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
 
@@ -299,6 +300,24 @@ void register_trace(py::module_& parent) {
     }
     return d;
   });
+  m.def("gpu_available", &mapp::torch_ext::gpu_timers_available);
+  m.def("gpu_begin", &mapp::torch_ext::gpu_timer_begin);
+  m.def("gpu_end", [](std::int64_t handle, const std::string& name, const std::string& category,
+                      int lane, std::int64_t start_ns, std::int64_t end_ns, int microbatch,
+                      int chunk) {
+    tr::Event e;
+    e.set_name(name);
+    e.category = tr::parse_category(category);
+    e.lane = static_cast<std::uint8_t>(lane);
+    e.start_ns = start_ns;
+    e.end_ns = end_ns;
+    e.microbatch = microbatch;
+    e.chunk = chunk;
+    if (tr::global()) e.iteration = tr::global()->iteration();
+    mapp::torch_ext::gpu_timer_end(handle, e);
+  });
+  m.def("gpu_resolve", &mapp::torch_ext::resolve_gpu_timers,
+        "records completed GPU timers; returns how many are pending");
   m.def("next_seq", &tr::next_seq, py::arg("group"));
   m.def("reset_seqs", &tr::reset_seqs);
   // One call per finished scope (times from time.monotonic_ns, the same clock).

@@ -281,7 +281,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                         dy = p2p.wait_recv((1, mb, vs), a_peer(i))
                     t0 = time.perf_counter()
                     t0_ns = time.monotonic_ns() if p2p.trace else 0
-                    busy0 = time.thread_time_ns() if p2p.trace else 0
+                    busy = _trace.BusyTimer() if p2p.trace else None
                     if a.type == "F":
                         out = chunks[c](x)
                         if vs == last_vs:
@@ -315,8 +315,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                                     stash[(mb, c)] = (x, None)
                     times[a.type].append(time.perf_counter() - t0)
                     if p2p.trace:
-                        _trace.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb,
-                                      chunk=c, busy_ns=time.thread_time_ns() - busy0)
+                        busy.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
                 p2p.poll()
             p2p.finish()
         if forward_only:

@@ -36,9 +36,10 @@ from .. import _C
 _tr = _C.trace
 
 __all__ = ["start", "stop", "scope", "record", "begin_iteration", "enabled", "full",
-           "active", "stats", "trace_path"]
+           "active", "stats", "trace_path", "BusyTimer"]
 
-_STATE = {"interval": 1, "iterations": None, "granularity": "full", "dir": None, "rank": 0}
+_STATE = {"interval": 1, "iterations": None, "granularity": "full", "dir": None, "rank": 0,
+          "cuda": False}
 
 
 def trace_path(directory: str, rank: int) -> str:
@@ -47,9 +48,11 @@ def trace_path(directory: str, rank: int) -> str:
 
 def start(directory: str, rank: int | None = None, *, interval: int = 1,
           iterations: int | None = None, granularity: str = "full", metadata: dict | None = None,
-          capacity: int = 1 << 16, flush_interval_ms: int = 200) -> str:
+          capacity: int = 1 << 16, flush_interval_ms: int = 200, device: str = "cpu") -> str:
     """Starts this rank's tracer; returns the trace file path. `metadata`
-    (e.g. the rank's tp/pp/dp coordinates) goes to the sidecar meta file."""
+    (e.g. the rank's tp/pp/dp coordinates) goes to the sidecar meta file.
+    With ``device="cuda"`` compute events get their GPU busy time from pooled
+    CUDA events, resolved at the next begin_iteration (no synchronization)."""
     if interval < 1:
         raise ValueError(f"trace interval must be >= 1, got {interval}")
     if iterations is not None and not 1 <= iterations <= interval:
@@ -63,7 +66,7 @@ def start(directory: str, rank: int | None = None, *, interval: int = 1,
     os.makedirs(directory, exist_ok=True)
     path = trace_path(directory, rank)
     _STATE.update(interval=interval, iterations=iterations, granularity=granularity,
-                  dir=directory, rank=rank)
+                  dir=directory, rank=rank, cuda=device == "cuda" and _tr.gpu_available())
     meta = {"rank": rank, "clock": "monotonic", "host": socket.gethostname(),
             "interval": interval, "iterations": iterations,
             "granularity": granularity, **(metadata or {})}
@@ -74,7 +77,13 @@ def start(directory: str, rank: int | None = None, *, interval: int = 1,
 
 
 def stop() -> None:
-    """Flushes and closes the trace file (a complete JSON array)."""
+    """Resolves pending GPU timers, flushes and closes the trace file (a
+    complete JSON array)."""
+    if _STATE["cuda"] and _tr.active():
+        import torch
+
+        torch.cuda.synchronize()  # end of tracing, off the training path
+        _tr.gpu_resolve()
     _tr.stop()
 
 
@@ -97,6 +106,8 @@ def begin_iteration(it: int) -> bool:
     the sampling settings. Returns whether this iteration is traced."""
     if not _tr.active():
         return False
+    if _STATE["cuda"]:
+        _tr.gpu_resolve()  # timers of earlier iterations whose events completed
     k = _STATE["iterations"]
     on = k is None or it % _STATE["interval"] < k
     _tr.set_iteration(it)
@@ -121,6 +132,27 @@ def record(name: str, category: str, start_ns: int, end_ns: int, *, lane: int = 
                busy_ns)
 
 
+class BusyTimer:
+    """Busy time of one op: the thread's CPU time, or CUDA events on a GPU run
+    (the event is then recorded when the GPU has finished, see start())."""
+
+    __slots__ = ("handle", "cpu0")
+
+    def __init__(self):
+        if _STATE["cuda"]:
+            self.handle, self.cpu0 = _tr.gpu_begin(), 0
+        else:
+            self.handle, self.cpu0 = None, time.thread_time_ns()
+
+    def record(self, name: str, category: str, start_ns: int, end_ns: int, *, lane: int = 0,
+               mb: int = -1, chunk: int = -1) -> None:
+        if self.handle is not None:
+            _tr.gpu_end(self.handle, name, category, lane, start_ns, end_ns, mb, chunk)
+        else:
+            _tr.record(name, category, lane, start_ns, end_ns, mb, chunk, -1, -1, "", -1,
+                       time.thread_time_ns() - self.cpu0)
+
+
 @contextlib.contextmanager
 def scope(name: str, category: str = "user", *, lane: int | None = None, mb: int = -1,
           chunk: int = -1, peer: int = -1, bytes: int = -1):
@@ -132,12 +164,14 @@ def scope(name: str, category: str = "user", *, lane: int | None = None, mb: int
                              and _STATE["granularity"] == "coarse"):
         yield
         return
-    busy0 = time.thread_time_ns() if category == "compute" else None
+    timer = BusyTimer() if category == "compute" else None
     t0 = time.monotonic_ns()
     try:
         yield
     finally:
         t1 = time.monotonic_ns()
-        busy = time.thread_time_ns() - busy0 if busy0 is not None else -1
-        _tr.record(name, category, (3 if category == "user" else 0) if lane is None else lane,
-                   t0, t1, mb, chunk, peer, bytes, "", -1, busy)
+        lane_ = (3 if category == "user" else 0) if lane is None else lane
+        if timer is not None:
+            timer.record(name, category, t0, t1, lane=lane_, mb=mb, chunk=chunk)
+        else:
+            _tr.record(name, category, lane_, t0, t1, mb, chunk, peer, bytes, "", -1, -1)

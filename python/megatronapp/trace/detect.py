@@ -35,7 +35,7 @@ __all__ = ["detect", "detect_dir", "format_report"]
 
 WAIT_CATEGORIES = ("collective", "p2p")
 #: Score (relative excess over peers) from which a rank is reported.
-DEFAULT_THRESHOLD = 0.3
+DEFAULT_THRESHOLD = 0.15
 
 
 def _exclusive_compute(events: list) -> list:
