@@ -135,3 +135,28 @@ def test_detector_names_the_injected_rank(tmp_path, name, extra, env, culprit):
     for r in range(4):
         size = os.path.getsize(os.path.join(trace_dir, f"trace.rank{r}.json"))
         assert size / 8 < 50_000, size
+
+
+@pytest.mark.timeout(600)
+def test_online_detection_warns_during_training(tmp_path):
+    env = {"MAPP_INJECT_SLOWDOWN": "rank=1,factor=1.5,phase=backward"}
+    stats = run_ranks(_traced_run, 4, ["--tensor-model-parallel-size", "2",
+                                       "--trace-detect-interval", "4"], str(tmp_path), env)
+    reports = stats[0]["detections"]
+    assert [r["iterations"] for r in reports] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for r in reports:
+        assert r["suspects"] and r["suspects"][0]["rank"] == 1, reports
+        assert r["suspects"][0]["cause"] == "compute (backward)"
+
+
+def test_sampling_traces_k_of_every_n_iterations(tmp_path):
+    from megatronapp.trace.aggregate import load_trace
+
+    run_ranks(_traced_run, 2, ["--tensor-model-parallel-size", "2", "--trace-interval", "4",
+                               "--trace-iterations", "1", "--trace-granularity", "coarse"],
+              str(tmp_path), {})
+    events = load_trace(str(tmp_path / "trace" / "trace.rank0.json"))
+    iters = {e["args"]["iter"] for e in events if e["ph"] == "X"}
+    assert iters == {0, 4}
+    cats = {e["cat"] for e in events if e["ph"] == "X"}
+    assert "compute" not in cats and "collective" in cats and "iteration" in cats
