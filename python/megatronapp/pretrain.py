@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import torch
 
-from . import faults, memory
+from . import checkpoint, faults, memory
 from . import parallel_state as ps
 from . import trace as tracing
 from .comm import Compression
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", default=None, help="text file (default: bundled KJV excerpt)")
     g.add_argument("--output-dir", default="runs/gpt", help="loss curve CSV/PNG and summary")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a bar")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="save every N iterations (and at the end)")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from DIR/latest (any tp/pp/dp layout)")
     g = p.add_argument_group("tracing")
     g.add_argument("--trace", action="store_true",
                    help="record a Chrome trace per rank (python -m megatronapp.trace aggregate)")
@@ -309,12 +315,37 @@ def train(args) -> dict:
     history = []
     tokens_per_iter = args.global_batch_size * args.seq_length
     start = time.perf_counter()
+    model_config = {k: getattr(cfg, k) for k in (
+        "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length",
+        "ffn_hidden_size", "share_embeddings_and_output_weights")}
+    start_iter = 0
+    if args.load:
+        try:
+            info = checkpoint.load(args.load, chunks, opt, config=model_config,
+                                   parallel_state=state)
+        except checkpoint.CheckpointError as e:
+            raise SystemExit(f"--load {args.load}: {e}") from None
+        if info is None:
+            if is_logger:
+                print(f"[megatronapp] no checkpoint in {args.load}; starting from scratch",
+                      flush=True)
+        else:
+            start_iter = info["iteration"]
+            if is_logger:
+                print(f"[megatronapp] resumed from {info['path']} at iteration {start_iter}"
+                      + ("" if info["same_layout"] else " (resharded)"), flush=True)
+
+    def save_checkpoint(iteration: int) -> None:
+        checkpoint.save(args.save, iteration, chunks, opt, config=model_config,
+                        extra={"consumed_samples": iteration * args.global_batch_size,
+                               "seed": args.seed}, parallel_state=state)
+
     detector = None
     if args.trace and args.trace_detect_interval > 0:
         from .trace.online import OnlineDetector
 
         detector = OnlineDetector(args.trace_dir, args.trace_detect_interval, world)
-    for it in range(args.train_iters):
+    for it in range(start_iter, args.train_iters):
         t0 = time.perf_counter()
         traced = tracing.begin_iteration(it)
         with tracing.scope("iteration", "iteration", lane=0):
@@ -332,6 +363,8 @@ def train(args) -> dict:
         if detector is not None and traced:
             detector.after_traced_iteration(it)
         dt = time.perf_counter() - t0
+        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+            save_checkpoint(it + 1)
         history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
                         "grad_norm": grad_norm, "seconds": dt,
                         "tokens_per_s": tokens_per_iter / dt})
@@ -346,6 +379,8 @@ def train(args) -> dict:
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+        save_checkpoint(args.train_iters)
 
     if args.trace:
         stats = tracing.stats()
@@ -374,7 +409,7 @@ def train(args) -> dict:
         "final_loss": history[-1]["loss"] if history else None,
         "valid_loss": sum(valid) / len(valid) if valid else None,
         "wall_seconds": wall,
-        "tokens_per_s": tokens_per_iter * args.train_iters / wall if wall > 0 else 0.0,
+        "tokens_per_s": tokens_per_iter * len(history) / wall if wall > 0 else 0.0,
         "losses": [h["loss"] for h in history],
     }
     if args.memory_pool:
@@ -390,10 +425,14 @@ def train(args) -> dict:
                                         else sched).name
     if is_logger:
         _write_outputs(args.output_dir, history, summary)
-        print(f"[megatronapp] done: {args.train_iters} iterations in {wall:.1f}s, loss "
-              f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (validation "
-              f"{summary['valid_loss']:.3f}), {summary['tokens_per_s']:,.0f} tokens/s; "
-              f"loss curve in {args.output_dir}/loss.csv and loss.png", flush=True)
+        if history:
+            print(f"[megatronapp] done: {len(history)} iterations in {wall:.1f}s, loss "
+                  f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (validation "
+                  f"{summary['valid_loss']:.3f}), {summary['tokens_per_s']:,.0f} tokens/s; "
+                  f"loss curve in {args.output_dir}/loss.csv and loss.png", flush=True)
+        else:
+            print(f"[megatronapp] nothing to train: already at iteration {args.train_iters} "
+                  f"(validation {summary['valid_loss']:.3f})", flush=True)
         comm = summary["comm"]
         if state.dp_size > 1 and comm["raw_bytes"]:
             print(f"[megatronapp] data-parallel traffic per step: "

@@ -1,0 +1,425 @@
+"""Distributed checkpoints: pickle-free, checksummed, atomic, reshardable.
+
+    path = checkpoint.save("ckpt", iteration, chunks, optimizer, config=cfg_dict)
+    info = checkpoint.load("ckpt", chunks, optimizer, config=cfg_dict)  # None if empty
+
+Layout of one checkpoint ``<dir>/iter_0000100/``:
+
+* ``rank<R>.safetensors`` — what rank R owns: its tensor-parallel shards of the
+  model (data-parallel rank 0 only; parameters replicated over the tensor
+  group from tensor rank 0 only), its optimizer state (Adam moments and step
+  per parameter, or its ZeRO-1 pieces: flat ranges of parameters with their
+  fp32 main values), and its own RNG states and gradient-codec error feedback.
+* ``metadata.json`` — iteration, model config, parallel layout, and for every
+  stored piece: the global name (layer indices are global, so names do not
+  depend on the pipeline split), the global shape, the tensor-parallel slice
+  and the flat range within that slice, and the file and key holding it.
+
+Commit protocol: every rank writes and fsyncs into ``<dir>/.tmp.iter_0000100``,
+barrier, rank 0 writes ``metadata.json``, fsyncs the directory, renames it to
+``iter_0000100``, fsyncs ``<dir>``, then replaces ``<dir>/latest`` (write to a
+temporary name, fsync, rename). A crash at any point leaves ``latest`` naming
+a complete checkpoint (or no ``latest`` at all).
+
+Loading assembles each global tensor from its pieces (checking shapes and
+coverage) and takes this rank's slice, so a checkpoint saved at one (tp, pp,
+dp, ZeRO or not) loads into another. RNG states and codec error feedback are
+per rank and are restored only under the same layout (elsewhere they restart,
+with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import torch.distributed as dist
+
+import torch
+
+from .. import _C
+from ..tensor_parallel.utils import resolve_state
+from .format import CheckpointError, fsync_dir, read, write
+
+__all__ = ["save", "load", "latest", "CheckpointError"]
+
+FORMAT_VERSION = 1
+
+
+# ---- names and slices --------------------------------------------------------------
+def _module(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _global_name(module, local: str) -> str:
+    """Layer indices of a pipeline chunk are local; make them global."""
+    numbers = getattr(module, "layer_numbers", None)
+    m = re.match(r"layers\.(\d+)\.(.*)", local)
+    if numbers is not None and m:
+        return f"layers.{numbers[int(m.group(1))]}.{m.group(2)}"
+    return local
+
+
+def _params(chunks) -> list:
+    """(global name, param) of every parameter of this rank's chunks."""
+    out = []
+    for c in chunks:
+        mod = _module(c)
+        for n, p in mod.named_parameters():
+            out.append((_global_name(mod, n), p))
+    return out
+
+
+def _tp_slice(p, state):
+    """(dim, start, end) of this rank's shard in the global tensor, or None."""
+    dim = getattr(p, "partition_dim", None)
+    if dim is None or not getattr(p, "tensor_model_parallel", False):
+        return None
+    n = p.shape[dim]
+    return (dim, state.tp_rank * n, (state.tp_rank + 1) * n)
+
+
+def _global_shape(p, state):
+    sl = _tp_slice(p, state)
+    shape = list(p.shape)
+    if sl is not None:
+        shape[sl[0]] *= state.tp_size
+    return shape
+
+
+def _owner_of_model_copy(p, state) -> bool:
+    """Exactly one rank stores each model piece."""
+    if state.dp_rank != 0 or getattr(p, "shared_embedding_replica", False):
+        return False
+    return _tp_slice(p, state) is not None or state.tp_rank == 0
+
+
+def _offset_in_bucket(bucket, p) -> int:
+    for q, off in zip(bucket.params, bucket.offsets, strict=True):
+        if q is p:
+            return off
+    raise CheckpointError("internal: parameter not in its bucket")
+
+
+# ---- save ---------------------------------------------------------------------------------
+def _optimizer_pieces(optimizer, params, state):
+    """[(global name, kind, flat_lo, tensor)] of the optimizer state this rank
+    must store, plus the parameter each refers to."""
+    from ..optimizer import DistributedOptimizer
+
+    pieces = []
+    if optimizer is None:
+        return pieces
+    if isinstance(optimizer, DistributedOptimizer):
+        name_of = {id(p): n for n, p in params}
+        for pc in optimizer.pieces:
+            p = pc.param
+            if getattr(p, "shared_embedding_replica", False):
+                continue
+            if _tp_slice(p, state) is None and state.tp_rank != 0:
+                continue
+            off = _offset_in_bucket(pc.bucket, p)
+            lo = pc.lo - off
+            st = optimizer.optimizer.state.get(pc.main, {})
+            pieces.append((name_of[id(p)], "main", lo, pc.main.detach(), p))
+            for kind, t in st.items():
+                if torch.is_tensor(t):
+                    pieces.append((name_of[id(p)], kind, lo if t.dim() else -1, t.detach(), p))
+        return pieces
+    for n, p in params:  # a plain optimizer: state shaped like the parameter
+        if not _owner_of_model_copy(p, state):
+            continue
+        for kind, t in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(t):
+                pieces.append((n, kind, 0 if t.dim() else -1, t.detach().reshape(-1)
+                               if t.dim() else t.detach(), p))
+    return pieces
+
+
+def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict | None = None,
+         extra: dict | None = None, parallel_state=None) -> str:
+    """Collective: every rank calls it. Returns the committed checkpoint path."""
+    state = resolve_state(parallel_state)
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    rank = dist.get_rank()
+    name = f"iter_{iteration:07d}"
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".tmp.{name}")
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    t0 = time.perf_counter()
+    params = _params(chunks)
+    tensors, index = {}, []
+    fname = f"rank{rank}.safetensors"
+    for n, p in params:
+        if _owner_of_model_copy(p, state):
+            key = f"model/{n}"
+            tensors[key] = p.detach()
+            index.append({"name": n, "kind": "param", "global_shape": _global_shape(p, state),
+                          "dtype": str(p.dtype), "tp_slice": _tp_slice(p, state),
+                          "flat": [0, p.numel()], "file": fname, "key": key})
+    for n, kind, lo, t, p in _optimizer_pieces(optimizer, params, state):
+        key = f"optim/{n}/{kind}@{lo}"
+        tensors[key] = t.reshape(-1) if t.dim() else t
+        index.append({"name": n, "kind": kind, "global_shape": _global_shape(p, state),
+                      "dtype": str(t.dtype), "tp_slice": _tp_slice(p, state),
+                      "flat": [lo, lo + t.numel()] if lo >= 0 else None,
+                      "file": fname, "key": key})
+    # Per-rank state: RNG and codec error feedback (restored under the same layout).
+    tensors["rank/rng_cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rank/rng_cuda"] = torch.cuda.get_rng_state()
+    ddp_meta = []
+    for ci, c in enumerate(chunks):
+        if not hasattr(c, "buckets"):
+            continue
+        ddp_meta.append({"chunk": ci, "sync_steps": c._sync_steps})
+        for b in c.buckets:
+            for spec, (tensors_list, _layout) in b.state.items():
+                for i, t in enumerate(tensors_list):
+                    tensors[f"rank/ddp{ci}/b{b.index}/{spec}/{i}"] = t.detach()
+    nbytes = write(os.path.join(tmp, fname), tensors, {"rank": rank, "iteration": iteration})
+    with open(os.path.join(tmp, f"index.rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "pieces": index, "ddp": ddp_meta, "bytes": nbytes}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+    if rank == 0:
+        world = dist.get_world_size()
+        pieces, ddp = [], {}
+        for r in range(world):
+            with open(os.path.join(tmp, f"index.rank{r}.json")) as f:
+                idx = json.load(f)
+            pieces += idx["pieces"]
+            ddp[str(r)] = idx["ddp"]
+        meta = {"format": FORMAT_VERSION, "iteration": iteration, "config": config or {},
+                "extra": extra or {},
+                "parallel": {"world": world, "tp": state.tp_size, "pp": state.pp_size,
+                             "dp": state.dp_size, "vpp": len(chunks)},
+                "pieces": pieces, "ddp": ddp}
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(directory)
+        pointer = os.path.join(directory, ".latest.tmp")
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(directory, "latest"))
+        fsync_dir(directory)
+        _C.log("info", f"saved checkpoint {final} ({time.perf_counter() - t0:.2f}s)")
+    dist.barrier()
+    return final
+
+
+# ---- load ---------------------------------------------------------------------------------
+def latest(directory: str) -> str | None:
+    """The checkpoint `directory/latest` names (None if there is none)."""
+    ptr = os.path.join(directory, "latest")
+    if not os.path.exists(ptr):
+        return None
+    with open(ptr) as f:
+        name = f.read().strip()
+    if not re.fullmatch(r"iter_\d{7}", name):
+        raise CheckpointError(f"{ptr}: does not name a checkpoint ('{name[:40]}')")
+    path = os.path.join(directory, name)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{ptr} names {name}, which has no metadata.json")
+    return path
+
+
+def _read_meta(path: str) -> dict:
+    mpath = os.path.join(path, "metadata.json")
+    try:
+        with open(mpath) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable checkpoint metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{mpath}: not a megatronapp checkpoint of format {FORMAT_VERSION}")
+    for k in ("iteration", "parallel", "pieces"):
+        if k not in meta:
+            raise CheckpointError(f"{mpath}: missing '{k}'")
+    return meta
+
+
+class _Assembler:
+    """Builds global tensors from stored pieces (cached per (name, kind))."""
+
+    def __init__(self, path, meta):
+        self.path = path
+        self.by_key = {}
+        for pc in meta["pieces"]:
+            self.by_key.setdefault((pc["name"], pc["kind"]), []).append(pc)
+        self.files = {}
+
+    def _file(self, fname):
+        if fname not in self.files:
+            self.files[fname] = read(os.path.join(self.path, fname))[0]
+        return self.files[fname]
+
+    def has(self, name, kind):
+        return (name, kind) in self.by_key
+
+    def scalar(self, name, kind):
+        pc = self.by_key[(name, kind)][0]
+        return self._file(pc["file"])[pc["key"]]
+
+    def full(self, name, kind, want_shape, dtype):
+        pieces = self.by_key.get((name, kind))
+        if not pieces:
+            raise CheckpointError(f"{self.path}: no '{kind}' stored for tensor '{name}'")
+        gshape = pieces[0]["global_shape"]
+        if list(gshape) != list(want_shape):
+            raise CheckpointError(
+                f"{self.path}: tensor '{name}' has global shape {gshape} in the checkpoint but "
+                f"{list(want_shape)} in this model (a checkpoint from an incompatible model?)")
+        out = torch.empty(gshape, dtype=dtype)
+        shards = {}
+        for pc in pieces:
+            sl = tuple(pc["tp_slice"]) if pc["tp_slice"] is not None else None
+            shards.setdefault(sl, []).append(pc)
+        covered = 0
+        for sl, pcs in shards.items():
+            region = out if sl is None else out.narrow(sl[0], sl[1], sl[2] - sl[1])
+            flat = torch.empty(region.numel(), dtype=dtype)
+            seen = torch.zeros(region.numel(), dtype=torch.bool)
+            for pc in pcs:
+                lo, hi = pc["flat"]
+                t = self._file(pc["file"])[pc["key"]].reshape(-1)
+                if t.numel() != hi - lo or hi > flat.numel():
+                    raise CheckpointError(f"{self.path}/{pc['file']}: piece {pc['key']} of '{name}'"
+                                          f" has {t.numel()} elements for range [{lo}, {hi})")
+                flat[lo:hi] = t.to(dtype)
+                seen[lo:hi] = True
+            if not bool(seen.all()):
+                raise CheckpointError(f"{self.path}: '{kind}' of tensor '{name}' is incomplete "
+                                      f"(missing {int((~seen).sum())} elements)")
+            region.copy_(flat.view(region.shape))
+            covered += region.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"{self.path}: tensor '{name}' is not fully covered by its shards")
+        return out
+
+
+def _mine(full: torch.Tensor, p, state) -> torch.Tensor:
+    sl = _tp_slice(p, state)
+    return full if sl is None else full.narrow(sl[0], sl[1], sl[2] - sl[1])
+
+
+@torch.no_grad()
+def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None = None,
+         parallel_state=None) -> dict | None:
+    """Loads the latest checkpoint of a directory (or a given iter_* path) into
+    this rank's chunks and optimizer. Collective-free; returns {"iteration",
+    "config", "extra", "same_layout"} or None when the directory has no
+    checkpoint. Raises CheckpointError (naming file and tensor) on anything
+    corrupt or incompatible, including a model `config` that differs."""
+    from ..optimizer import DistributedOptimizer
+
+    state = resolve_state(parallel_state)
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    path = directory_or_path
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        path = latest(directory_or_path)
+        if path is None:
+            return None
+    meta = _read_meta(path)
+    if config is not None and meta.get("config"):
+        diff = {k: (meta["config"].get(k), v) for k, v in config.items()
+                if k in meta["config"] and meta["config"][k] != v}
+        if diff:
+            raise CheckpointError(f"{path}: checkpoint from an incompatible model: " + ", ".join(
+                f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in sorted(diff.items())))
+    asm = _Assembler(path, meta)
+    params = _params(chunks)
+    for n, p in params:
+        src = "word_embeddings.weight" if getattr(p, "shared_embedding_replica", False) else n
+        full = asm.full(src, "param", _global_shape(p, state), p.dtype)
+        p.data.copy_(_mine(full, p, state))
+    # Optimizer state.
+    if optimizer is not None:
+        if isinstance(optimizer, DistributedOptimizer):
+            name_of = {id(p): n for n, p in params}
+            for pc in optimizer.pieces:
+                p = pc.param
+                n = name_of[id(p)]
+                if getattr(p, "shared_embedding_replica", False):
+                    n = "word_embeddings.weight"
+                off = _offset_in_bucket(pc.bucket, p)
+                lo, hi = pc.lo - off, pc.hi - off
+                shard = _mine(asm.full(n, "param", _global_shape(p, state), torch.float32)
+                              if not asm.has(n, "main") else
+                              asm.full(n, "main", _global_shape(p, state), torch.float32),
+                              p, state).reshape(-1)
+                pc.main.copy_(shard[lo:hi])
+                st = {}
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    if asm.has(n, kind):
+                        full = asm.full(n, kind, _global_shape(p, state), torch.float32)
+                        st[kind] = _mine(full, p, state).reshape(-1)[lo:hi].clone()
+                if asm.has(n, "step"):
+                    st["step"] = asm.scalar(n, "step").clone()
+                if st:
+                    optimizer.optimizer.state[pc.main] = st
+        else:
+            for n, p in params:
+                src = "word_embeddings.weight" if getattr(p, "shared_embedding_replica",
+                                                          False) else n
+                st = {}
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    if asm.has(src, kind):
+                        full = asm.full(src, kind, _global_shape(p, state), torch.float32)
+                        st[kind] = _mine(full, p, state).clone().to(p.dtype)
+                if asm.has(src, "step"):
+                    st["step"] = asm.scalar(src, "step").clone()
+                if st:
+                    optimizer.state[p] = st
+    # Per-rank state under the same layout.
+    par = meta["parallel"]
+    same = (par.get("world") == dist.get_world_size() and par.get("tp") == state.tp_size
+            and par.get("pp") == state.pp_size and par.get("dp") == state.dp_size
+            and par.get("vpp") == len(chunks))
+    rank = dist.get_rank()
+    if same:
+        mine, _ = read(os.path.join(path, f"rank{rank}.safetensors"))
+        torch.set_rng_state(mine["rank/rng_cpu"])
+        if "rank/rng_cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["rank/rng_cuda"])
+        for entry in meta.get("ddp", {}).get(str(rank), []):
+            c = chunks[entry["chunk"]]
+            c._sync_steps = entry["sync_steps"]
+            prefix = f"rank/ddp{entry['chunk']}/"
+            for key, t in mine.items():
+                if not key.startswith(prefix):
+                    continue
+                _, _, b, spec, i = key.split("/", 4)
+                bucket = c.buckets[int(b[1:])]
+                saved = bucket.state.get(spec)
+                if saved is None:  # create the codec state, then overwrite it
+                    from ..comm import codec_state
+
+                    layout = ([v for t_ in bucket.layout for v in t_]
+                              if spec.startswith("powersgd") else [])
+                    bucket.state[spec] = (codec_state(spec, bucket.grad_data.numel(), c.world,
+                                                      layout, bucket.grad_data.device,
+                                                      seed=bucket.index), layout)
+                bucket.state[spec][0][int(i)].copy_(t)
+    elif rank == 0:
+        _C.log("warning", f"checkpoint {path} was saved with layout {par}; loading into tp="
+               f"{state.tp_size} pp={state.pp_size} dp={state.dp_size}: parameters and "
+               "optimizer state resharded, RNG and gradient-codec error feedback restart")
+    return {"iteration": meta["iteration"], "config": meta.get("config", {}),
+            "extra": meta.get("extra", {}), "same_layout": same, "path": path}
