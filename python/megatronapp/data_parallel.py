@@ -50,6 +50,7 @@ from . import trace as _trace
 from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
 from .pipeline import weight_grad
+from .tensor_parallel.utils import is_tensor_parallel
 
 __all__ = ["DistributedDataParallel"]
 
@@ -70,6 +71,7 @@ class Bucket:
     handle: int | None = None
     raw_bytes: int = 0
     sent_bytes: int = 0
+    exact: bool = False  # never compressed (TP-replicated parameters)
 
 
 class DistributedDataParallel(nn.Module):
@@ -105,6 +107,15 @@ class DistributedDataParallel(nn.Module):
         self.group = process_group
         self.world = process_group.size()
         self.compression = parse_compression(compression)
+        try:
+            tp_size = (parallel_state or get_parallel_state()).tp_size
+        except RuntimeError:
+            tp_size = 1
+        # Under tensor parallelism, parameters replicated over the tensor group
+        # (LayerNorm, row-parallel biases, ...) are reduced exactly: a lossy
+        # codec would quantize them differently on each tensor rank (their
+        # buckets hold different shards) and the replicas would drift apart.
+        self._exact_replicated = tp_size > 1
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_size = int(bucket_size_mb * 1024 * 1024)
         if self.bucket_size <= 0:
@@ -158,18 +169,19 @@ class DistributedDataParallel(nn.Module):
                 # shards can be summed over the embedding group.
                 self._add_bucket([p])
                 continue
-            lst = current.setdefault(p.dtype, [])
+            key = (p.dtype, self._exact_replicated and not is_tensor_parallel(p))
+            lst = current.setdefault(key, [])
             lst.append(p)
-            size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
-            if size[p.dtype] >= self.bucket_size:
-                self._add_bucket(lst)
-                current[p.dtype], size[p.dtype] = [], 0
-        for lst in current.values():
+            size[key] = size.get(key, 0) + p.numel() * p.element_size()
+            if size[key] >= self.bucket_size:
+                self._add_bucket(lst, exact=key[1])
+                current[key], size[key] = [], 0
+        for key, lst in current.items():
             if lst:
-                self._add_bucket(lst)
+                self._add_bucket(lst, exact=key[1])
         self._param_bucket = {p: b for b in self.buckets for p in b.params}
 
-    def _add_bucket(self, params: list) -> None:
+    def _add_bucket(self, params: list, exact: bool = False) -> None:
         offsets, n, layout = [], 0, []
         for p in params:
             offsets.append(n)
@@ -179,7 +191,7 @@ class DistributedDataParallel(nn.Module):
         dtype, device = params[0].dtype, params[0].device
         grad = torch.zeros(n, dtype=dtype, device=device)
         b = Bucket(index=len(self.buckets), params=params, offsets=offsets, numel=n,
-                   dtype=dtype, grad_data=grad, layout=layout)
+                   dtype=dtype, grad_data=grad, layout=layout, exact=exact)
         self.buckets.append(b)
         self._attach_grads(b, zero=True)
 
@@ -204,9 +216,10 @@ class DistributedDataParallel(nn.Module):
         if self._zero:
             return
         self._zero = True
-        spec = self.compression.spec if self.compression else "none"
+        lossy = self.compression.spec if self.compression else "none"
         with torch.no_grad():
             for b in self.buckets:
+                spec = "none" if b.exact else lossy
                 padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, self.world) * self.world
                 grad = torch.zeros(padded, dtype=b.dtype, device=b.grad_data.device)
                 grad[: b.numel].copy_(b.grad_data)
@@ -255,14 +268,14 @@ class DistributedDataParallel(nn.Module):
                 self._launch_ready()
         return hook
 
-    def _spec(self) -> str:
+    def _spec(self, b: Bucket | None = None) -> str:
         c = self.compression
-        if c is None or self._sync_steps < c.start_iter:
+        if c is None or self._sync_steps < c.start_iter or (b is not None and b.exact):
             return "none"
         return c.spec
 
     def _launch(self, b: Bucket) -> None:
-        spec = self._spec()
+        spec = self._spec(b)
         if spec not in b.state:
             layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
             b.state[spec] = (codec_state(spec, b.grad_data.numel(), self.world, layout,
