@@ -8,6 +8,9 @@ busy for (factor - 1) x the busy time it just took before its output (or input
 gradient) is released, so the busy time grows like a slower device's and the
 collectives that depend on the layer are delayed accordingly.
 
+``MAPP_INJECT_KILL="rank=2,iteration=3"`` SIGKILLs global rank 2 at the start
+of iteration 3 (dead-rank tests).
+
 ``MAPP_INJECT_LINK_DELAY="rank=2,peer=3,ms=5"`` delays every pipeline message
 from global rank 2 to global rank 3 by 5 ms without blocking the sender (the
 send is issued later from a timer thread), emulating a slow link.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["slowdown", "link_delay", "apply_slowdown"]
+__all__ = ["slowdown", "link_delay", "apply_slowdown", "maybe_kill"]
 
 _PHASES = ("forward", "backward", "all")
 
@@ -100,3 +103,12 @@ def _stall(attr, extra):
             while time.thread_time_ns() < until:  # busy: the device is working
                 pass
     return hook
+
+
+def maybe_kill(rank: int, iteration: int) -> None:
+    """Honours MAPP_INJECT_KILL."""
+    spec = _parse("MAPP_INJECT_KILL", {"rank": int, "iteration": int})
+    if spec is not None and spec["rank"] == rank and spec["iteration"] == iteration:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

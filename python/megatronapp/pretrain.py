@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import torch
 
-from . import checkpoint, faults, memory
+from . import checkpoint, faults, memory, watchdog
 from . import parallel_state as ps
 from . import trace as tracing
 from .comm import Compression
@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every N iterations (and at the end)")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from DIR/latest (any tp/pp/dp layout)")
+    g.add_argument("--watchdog-timeout", type=float, default=30.0, metavar="S",
+                   help="declare a rank dead after S seconds without heartbeat; exit non-zero")
+    g.add_argument("--no-watchdog", action="store_true")
     g = p.add_argument_group("tracing")
     g.add_argument("--trace", action="store_true",
                    help="record a Chrome trace per rank (python -m megatronapp.trace aggregate)")
@@ -335,7 +338,23 @@ def train(args) -> dict:
                 print(f"[megatronapp] resumed from {info['path']} at iteration {start_iter}"
                       + ("" if info["same_layout"] else " (resharded)"), flush=True)
 
+    dog = None
+    if world > 1 and not args.no_watchdog:
+        dog = watchdog.Watchdog(timeout=args.watchdog_timeout).start()
+    preempted = {"flag": False}
+
+    def on_sigterm(signum, frame):  # preemption: save at the end of this iteration
+        preempted["flag"] = True
+
+    import signal
+
+    try:
+        previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: no preemption handling
+        previous_sigterm = None
+
     def save_checkpoint(iteration: int) -> None:
+        watchdog.set_phase(f"saving checkpoint at iteration {iteration}")
         checkpoint.save(args.save, iteration, chunks, opt, config=model_config,
                         extra={"consumed_samples": iteration * args.global_batch_size,
                                "seed": args.seed}, parallel_state=state)
@@ -345,7 +364,10 @@ def train(args) -> dict:
         from .trace.online import OnlineDetector
 
         detector = OnlineDetector(args.trace_dir, args.trace_detect_interval, world)
+    stopped_at = None
     for it in range(start_iter, args.train_iters):
+        faults.maybe_kill(rank, it)
+        watchdog.set_phase(f"iteration {it + 1}")
         t0 = time.perf_counter()
         traced = tracing.begin_iteration(it)
         with tracing.scope("iteration", "iteration", lane=0):
@@ -365,6 +387,18 @@ def train(args) -> dict:
         dt = time.perf_counter() - t0
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             save_checkpoint(it + 1)
+        if world > 1:  # did any rank get SIGTERM? (one tiny all-reduce per iteration)
+            flag = torch.tensor([1.0 if preempted["flag"] else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            preempted["flag"] = bool(flag.item())
+        if preempted["flag"]:
+            stopped_at = it + 1
+            if args.save and not (args.save_interval and (it + 1) % args.save_interval == 0):
+                save_checkpoint(it + 1)
+            if is_logger:
+                print(f"[megatronapp] SIGTERM: stopped after iteration {it + 1}"
+                      + (f", checkpoint in {args.save}" if args.save else ""), flush=True)
+            break
         history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
                         "grad_norm": grad_norm, "seconds": dt,
                         "tokens_per_s": tokens_per_iter / dt})
@@ -379,8 +413,12 @@ def train(args) -> dict:
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+    if args.save and stopped_at is None and not (
+            args.save_interval and args.train_iters % args.save_interval == 0):
         save_checkpoint(args.train_iters)
+    if previous_sigterm is not None:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    watchdog.set_phase("validation")
 
     if args.trace:
         stats = tracing.stats()
@@ -441,6 +479,10 @@ def train(args) -> dict:
                   flush=True)
         if args.memory_pool:
             print(memory.summary(mem_device), end="", flush=True)
+    if stopped_at is not None:
+        summary["preempted_at"] = stopped_at
+    if dog is not None:
+        dog.stop()
     ps.destroy_model_parallel()
     return summary
 
@@ -474,7 +516,12 @@ def _write_outputs(out_dir: str, history: list, summary: dict) -> None:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    train(args)
+    try:
+        train(args)
+    except Exception:
+        if watchdog.Watchdog.current is not None:  # a dead peer? name it, then exit 1
+            watchdog.Watchdog.current.explain_failure()
+        raise
     if dist.is_initialized():
         dist.destroy_process_group()
 

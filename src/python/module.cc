@@ -319,6 +319,7 @@ void register_trace(py::module_& parent) {
   m.def("gpu_resolve", &mapp::torch_ext::resolve_gpu_timers,
         "records completed GPU timers; returns how many are pending");
   m.def("next_seq", &tr::next_seq, py::arg("group"));
+  m.def("in_flight", &tr::in_flight, "the C++ collective in flight, or ''");
   m.def("reset_seqs", &tr::reset_seqs);
   // One call per finished scope (times from time.monotonic_ns, the same clock).
   m.def("record", [](const std::string& name, const std::string& category, int lane,

@@ -38,9 +38,12 @@ void run(const char* op, const std::string& group_name, Issue&& issue,
   scope.event().set_group(group_name);
   scope.event().seq = trace::next_seq(group_name);
   scope.event().bytes = bytes;
+  trace::set_in_flight(std::string(op) + " on group '" + group_name + "' (seq " +
+                       std::to_string(scope.event().seq) + ")");
   try {
     c10::intrusive_ptr<c10d::Work> work = issue();
     work->wait(timeout);
+    trace::set_in_flight("");
   } catch (const std::exception& e) {
     MAPP_FAIL_BACKEND(op, " on group '", group_name, "' failed: ", e.what());
   }

@@ -46,7 +46,19 @@ std::atomic<Tracer*> g_ptr{nullptr};
 std::mutex g_seq_mu;
 std::unordered_map<std::string, std::int64_t> g_seq;
 thread_local Lane t_lane = kMainLane;
+std::mutex g_flight_mu;
+std::string g_flight;
 }  // namespace
+
+void set_in_flight(const std::string& what) {
+  std::lock_guard<std::mutex> lock(g_flight_mu);
+  g_flight = what;
+}
+
+std::string in_flight() {
+  std::lock_guard<std::mutex> lock(g_flight_mu);
+  return g_flight;
+}
 
 const char* category_name(Category c) { return kCategoryNames[static_cast<int>(c)]; }
 

@@ -152,6 +152,11 @@ void uninstall();
 std::int64_t next_seq(const std::string& group);
 void reset_seqs();
 
+// The collective currently in flight on this process ("" if none), e.g.
+// "all_reduce on group '3' (seq 57)": named by the dead-rank watchdog.
+void set_in_flight(const std::string& what);
+std::string in_flight();
+
 // The lane of the calling thread (communication threads set kCommLane).
 void set_thread_lane(Lane lane);
 Lane thread_lane();

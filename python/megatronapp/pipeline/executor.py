@@ -85,7 +85,12 @@ class _P2P:
                              "pipeline stage (the shape of the activations between stages, "
                              "e.g. (seq_length, micro_batch_size, hidden_size))")
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buf, src=self.ranks[peer], group=self.group, tag=self.tag(*key))
+        src, tag = self.ranks[peer], self.tag(*key)
+        t0 = time.monotonic_ns()
+        work = dist.irecv(buf, src=src, group=self.group, tag=tag)
+        if self.trace:  # a transfer cannot complete before its receive is posted
+            _trace.record("recv_post", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1],
+                          peer=src, group=f"p2p:{src}->{self.me}", seq=tag)
         self.recvs[key] = (work, buf)
 
     def wait_recv(self, key, peer: int) -> torch.Tensor:

@@ -182,7 +182,7 @@ def _flows(events_by_rank: dict) -> list:
         for e in events:
             a = e.get("args", {})
             g = str(a.get("group", ""))
-            if e.get("ph") != "X" or not g.startswith("p2p:"):
+            if e.get("ph") != "X" or not g.startswith("p2p:") or e["name"] == "recv_post":
                 continue
             key = (g, a.get("seq"), a.get("iter"))
             (sends if e["name"] == "send" else recvs)[key] = (r, e)

@@ -35,7 +35,7 @@ __all__ = ["detect", "detect_dir", "format_report"]
 
 WAIT_CATEGORIES = ("collective", "p2p")
 #: Score (relative excess over peers) from which a rank is reported.
-DEFAULT_THRESHOLD = 0.15
+DEFAULT_THRESHOLD = 0.2
 
 
 def _exclusive_compute(events: list) -> list:
@@ -125,23 +125,22 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
             evidence[r]["lateness"] = {"collectives": n, "arrived_last": last_count[r],
                                        "mean_late_us": round(late_sum[r] / n, 1)}
     # 3. links
-    sends, recvs = {}, {}
+    sends, recvs, posts = {}, {}, {}
     for events in events_by_rank.values():
         for e in events:
             a = e.get("args", {})
             g = str(a.get("group", ""))
             if e.get("ph") == "X" and g.startswith("p2p:"):
                 key = (g, a.get("seq"), a.get("iter"))
-                if e["name"] == "send":
-                    sends[key] = e
-                else:
-                    recvs[key] = e
+                {"send": sends, "recv_post": posts}.get(e["name"], recvs)[key] = e
     per_link = defaultdict(list)
     for key, s in sends.items():
         rv = recvs.get(key)
         if rv is None or rv["dur"] < 50.0:  # the receiver did not wait: arrival unseen
             continue
-        per_link[key[0]].append(rv["ts"] + rv["dur"] - s["ts"])
+        # The transfer starts when both the send and the receive are posted.
+        start = max(s["ts"], posts[key]["ts"]) if key in posts else s["ts"]
+        per_link[key[0]].append(rv["ts"] + rv["dur"] - start)
     # A slow link delays every message, noise only some: compare each link's
     # fastest tenth, not its median.
     link_med = {g: float(np.percentile(v, 10)) for g, v in per_link.items() if len(v) >= 3}

@@ -1,0 +1,76 @@
+"""Failure handling on real processes: a SIGKILLed rank makes the survivors
+exit non-zero within 60 s naming it; SIGTERM saves a checkpoint and exits
+cleanly."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_harness import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--no-progress", "--log-interval", "1", "--eval-iters", "1"]
+
+
+def _launch(world, extra, env_extra, tmp_path):
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   **env_extra)
+        err = open(tmp_path / f"rank{r}.err", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *ARGS, *extra,
+             "--output-dir", str(tmp_path / "out")], env=env, stdout=err, stderr=err))
+    return procs
+
+
+def _wait_all(procs, limit):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_makes_survivors_exit_naming_it(tmp_path):
+    procs = _launch(4, ["--tensor-model-parallel-size", "2", "--train-iters", "400",
+                        "--watchdog-timeout", "10"], {"MAPP_INJECT_KILL": "rank=2,iteration=3"},
+                    tmp_path)
+    elapsed = _wait_all(procs, 120)
+    codes = [p.returncode for p in procs]
+    assert codes[2] == -signal.SIGKILL, codes
+    assert elapsed < 60 + 15, elapsed  # startup + 3 iterations + detection
+    for r in (0, 1, 3):
+        assert codes[r] not in (0, None, -signal.SIGKILL), codes
+        text = (tmp_path / f"rank{r}.err").read_text()
+        assert "dead rank detected: rank 2" in text, text[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    ck = tmp_path / "ck"
+    procs = _launch(2, ["--tensor-model-parallel-size", "2", "--train-iters", "100000",
+                        "--save", str(ck)], {}, tmp_path)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # wait until training runs
+        if "iteration      3/" in (tmp_path / "rank0.err").read_text():
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    _wait_all(procs, 60)
+    assert [p.returncode for p in procs] == [0, 0], (tmp_path / "rank0.err").read_text()[-2000:]
+    assert "SIGTERM: stopped after iteration" in (tmp_path / "rank0.err").read_text()
+    latest = (ck / "latest").read_text().strip()
+    assert latest.startswith("iter_") and (ck / latest / "metadata.json").exists()
