@@ -208,20 +208,24 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        # Never replace a committed directory (`latest` may name it): a second
+        # save of the same iteration gets a suffix.
+        n = 0
+        while os.path.exists(final):
+            n += 1
+            final = os.path.join(directory, f"{name}.{n}")
         os.rename(tmp, final)
         fsync_dir(directory)
         pointer = os.path.join(directory, ".latest.tmp")
         with open(pointer, "w") as f:
-            f.write(name + "\n")
+            f.write(os.path.basename(final) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(directory, "latest"))
         fsync_dir(directory)
         _C.log("info", f"saved checkpoint {final} ({time.perf_counter() - t0:.2f}s)")
     dist.barrier()
-    return final
+    return latest(directory)
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -232,7 +236,7 @@ def latest(directory: str) -> str | None:
         return None
     with open(ptr) as f:
         name = f.read().strip()
-    if not re.fullmatch(r"iter_\d{7}", name):
+    if not re.fullmatch(r"iter_\d{7}(\.\d+)?", name):
         raise CheckpointError(f"{ptr}: does not name a checkpoint ('{name[:40]}')")
     path = os.path.join(directory, name)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
