@@ -10,16 +10,17 @@ PY           := $(VENV)/bin/python
 STAMPS       := .stamps
 TORCH_SPEC   := torch==2.11.0
 BUILD_DIR    := build/py
-APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev nlohmann-json3-dev \
+APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev nlohmann-json3-dev clang \
                 libgtest-dev libbenchmark-dev python3-dev python3-venv
 SUDO         := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NPROC        ?= 4
+FUZZ_RUNS    ?= 1000000
 DEMO_ITERS   ?= 300
 
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -77,6 +78,10 @@ bench-dp: build
 
 bench-memory: build
 	$(PY) benchmarks/memory_pool.py
+
+# libFuzzer (clang, ASan + UBSan) on the schedule and allocation-trace parsers.
+fuzz:
+	tests/fuzz/run.sh $(FUZZ_RUNS)
 
 bench-pipeline: build
 	$(PY) benchmarks/pipeline_bench.py --compute-ms 25

@@ -187,6 +187,31 @@ def _schedule(args, m: int):
     return Schedule.by_name(args.pipeline_schedule, pp, m, v)
 
 
+def _check_flags_agree(args, rank: int, world: int) -> None:
+    """Every rank must run with the same flags: compared through the
+    rendezvous store, before any collective, with one message naming the
+    differing flags and ranks."""
+    if world == 1:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    store = dist.PrefixStore("mapp_flags/", c10d._get_default_store())
+    mine = json.dumps(vars(args), sort_keys=True, default=str)
+    store.set(str(rank), mine)
+    everyone = [json.loads(store.get(str(r))) for r in range(world)]
+    diffs = []
+    for key in sorted(everyone[0]):
+        values = {}
+        for r, a in enumerate(everyone):
+            values.setdefault(json.dumps(a.get(key)), []).append(r)
+        if len(values) > 1:
+            flag = "--" + key.replace("_", "-")
+            diffs.append(f"{flag}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in values.items()))
+    if diffs:
+        raise SystemExit("the ranks were started with different flags; every rank must get the "
+                         "same command line: " + "; ".join(diffs))
+
+
 def _memory_device(args) -> str:
     backend = args.distributed_backend
     if backend == "auto":
@@ -203,6 +228,7 @@ def train(args) -> dict:
         memory.use_pool(mem_device, policy=args.memory_pool_policy)
     _init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
+    _check_flags_agree(args, rank, world)
     if args.record_alloc_trace:
         if mem_device != "cpu":
             raise SystemExit("--record-alloc-trace records the CPU pool; run on CPU (gloo)")

@@ -74,3 +74,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "SIGTERM: stopped after iteration" in (tmp_path / "rank0.err").read_text()
     latest = (ck / "latest").read_text().strip()
     assert latest.startswith("iter_") and (ck / latest / "metadata.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_mismatched_flags_across_ranks_are_one_clear_error(tmp_path):
+    port = free_port()
+    procs = []
+    for r, hidden in enumerate(["64", "64", "128"]):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        err = open(tmp_path / f"rank{r}.err", "w")
+        args = [a if a != "64" else hidden for a in ARGS]
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *args,
+             "--train-iters", "2", "--output-dir", str(tmp_path / "out")],
+            env=env, stdout=err, stderr=err))
+    _wait_all(procs, 120)
+    assert all(p.returncode != 0 for p in procs)
+    text = (tmp_path / "rank0.err").read_text()
+    assert "different flags" in text and "--hidden-size: 64 on ranks [0, 1], 128 on ranks [2]" \
+        in text, text[-1500:]
