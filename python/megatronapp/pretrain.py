@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here")
     g.add_argument("--save-interval", type=int, default=None, metavar="N",
                    help="save every N iterations (and at the end)")
+    g.add_argument("--async-save", action="store_true",
+                   help="copy the state to host memory and write the checkpoint in the background")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from DIR/latest (any tp/pp/dp layout)")
     g.add_argument("--watchdog-timeout", type=float, default=30.0, metavar="S",
@@ -383,7 +385,8 @@ def train(args) -> dict:
         watchdog.set_phase(f"saving checkpoint at iteration {iteration}")
         checkpoint.save(args.save, iteration, chunks, opt, config=model_config,
                         extra={"consumed_samples": iteration * args.global_batch_size,
-                               "seed": args.seed}, parallel_state=state)
+                               "seed": args.seed}, parallel_state=state,
+                        async_save=args.async_save)
 
     detector = None
     if args.trace and args.trace_detect_interval > 0:
@@ -442,6 +445,7 @@ def train(args) -> dict:
     if args.save and stopped_at is None and not (
             args.save_interval and args.train_iters % args.save_interval == 0):
         save_checkpoint(args.train_iters)
+    checkpoint.wait_pending()  # an asynchronous save must be durable before we go on
     if previous_sigterm is not None:
         signal.signal(signal.SIGTERM, previous_sigterm)
     watchdog.set_phase("validation")

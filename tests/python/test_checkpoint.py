@@ -28,8 +28,9 @@ def _train(rank, world, extra, out_dir):
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
      "--grad-compression", "int8"],
-    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble"],
-], ids=["tp2xdp2-zero1-int8", "pp2xdp2-zb"])
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble",
+     "--async-save"],
+], ids=["tp2xdp2-zero1-int8", "pp2xdp2-zb-async"])
 def test_resume_is_bit_identical(tmp_path, layout):
     ck = str(tmp_path / "ck")
     full = run_ranks(_train, 4, layout + ["--train-iters", "6", "--save", ck,

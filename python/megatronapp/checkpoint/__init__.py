@@ -44,7 +44,7 @@ from .. import _C
 from ..tensor_parallel.utils import resolve_state
 from .format import CheckpointError, fsync_dir, read, write
 
-__all__ = ["save", "load", "latest", "CheckpointError"]
+__all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "CheckpointError"]
 
 FORMAT_VERSION = 1
 
@@ -140,8 +140,17 @@ def _optimizer_pieces(optimizer, params, state):
 
 
 def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict | None = None,
-         extra: dict | None = None, parallel_state=None) -> str:
-    """Collective: every rank calls it. Returns the committed checkpoint path."""
+         extra: dict | None = None, parallel_state=None, async_save: bool = False):
+    """Collective: every rank calls it. Returns the committed checkpoint path,
+    or with ``async_save=True`` an :class:`AsyncSave` once the state has been
+    copied to host memory (the blocking part): files are written, fsynced and
+    committed by a background thread, ranks meeting through the store (no
+    collective), and ``latest`` moves only when everything is durable. A new
+    save first waits for the previous one."""
+    global _PENDING
+    if _PENDING is not None:
+        _PENDING.wait()
+        _PENDING = None
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     rank = dist.get_rank()
@@ -184,13 +193,103 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
             for spec, (tensors_list, _layout) in b.state.items():
                 for i, t in enumerate(tensors_list):
                     tensors[f"rank/ddp{ci}/b{b.index}/{spec}/{i}"] = t.detach()
-    nbytes = write(os.path.join(tmp, fname), tensors, {"rank": rank, "iteration": iteration})
-    with open(os.path.join(tmp, f"index.rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "pieces": index, "ddp": ddp_meta, "bytes": nbytes}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    dist.barrier()
-    if rank == 0:
+    if async_save:  # the blocking part: a host copy of everything
+        tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+    _SAVE_SEQ[0] += 1
+    sync = _StoreRendezvous(f"mapp_ckpt/{_SAVE_SEQ[0]}/", rank, dist.get_world_size())
+    job = _CommitJob(directory, name, tmp, final, fname, tensors, index, ddp_meta, rank,
+                     iteration, config, extra, state, len(chunks), sync, t0)
+    if async_save:
+        _PENDING = AsyncSave(job)
+        return _PENDING
+    job.run()
+    return latest(directory)
+
+
+_SAVE_SEQ = [0]
+_PENDING = None
+
+
+class _StoreRendezvous:
+    """Ranks meet through the c10d store (usable from a background thread)."""
+
+    def __init__(self, prefix, rank, world):
+        from torch.distributed import distributed_c10d as c10d
+
+        self.store = dist.PrefixStore(prefix, c10d._get_default_store())
+        self.rank, self.world = rank, world
+
+    def arrive(self, what: str) -> None:
+        self.store.set(f"{what}/{self.rank}", "1")
+
+    def wait_all(self, what: str) -> None:
+        self.store.wait([f"{what}/{r}" for r in range(self.world)])
+
+
+class AsyncSave:
+    """A checkpoint being written in the background; ``wait()`` returns its
+    committed path (re-raising a failure)."""
+
+    def __init__(self, job):
+        import threading
+
+        self.job = job
+        self.error = None
+        self.path = None
+        self.thread = threading.Thread(target=self._run, name="mapp-ckpt-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.job.run()
+            self.path = self.job.final
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def wait_pending() -> None:
+    """Blocks until an asynchronous save in flight is committed."""
+    global _PENDING
+    if _PENDING is not None:
+        _PENDING.wait()
+        _PENDING = None
+
+
+class _CommitJob:
+    def __init__(self, directory, name, tmp, final, fname, tensors, index, ddp_meta, rank,
+                 iteration, config, extra, state, nchunks, sync, t0):
+        self.__dict__.update(locals())
+        del self.__dict__["self"]
+
+    def run(self) -> None:
+        directory, name, tmp, rank = self.directory, self.name, self.tmp, self.rank
+        iteration, state, index = self.iteration, self.state, self.index
+        nbytes = write(os.path.join(tmp, self.fname), self.tensors,
+                       {"rank": rank, "iteration": iteration})
+        self.tensors = None
+        with open(os.path.join(tmp, f"index.rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "pieces": index, "ddp": self.ddp_meta, "bytes": nbytes}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.sync.arrive("written")
+        if rank == 0:
+            self.sync.wait_all("written")
+            self._commit(directory, name, tmp, state)
+        self.sync.arrive("committed")
+        self.sync.wait_all("committed")
+
+    def _commit(self, directory, name, tmp, state) -> None:
+        iteration, config, extra = self.iteration, self.config, self.extra
+        final = self.final
         world = dist.get_world_size()
         pieces, ddp = [], {}
         for r in range(world):
@@ -201,7 +300,7 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
         meta = {"format": FORMAT_VERSION, "iteration": iteration, "config": config or {},
                 "extra": extra or {},
                 "parallel": {"world": world, "tp": state.tp_size, "pp": state.pp_size,
-                             "dp": state.dp_size, "vpp": len(chunks)},
+                             "dp": state.dp_size, "vpp": self.nchunks},
                 "pieces": pieces, "ddp": ddp}
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(meta, f)
@@ -223,9 +322,8 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(directory, "latest"))
         fsync_dir(directory)
-        _C.log("info", f"saved checkpoint {final} ({time.perf_counter() - t0:.2f}s)")
-    dist.barrier()
-    return latest(directory)
+        self.final = final
+        _C.log("info", f"saved checkpoint {final} ({time.perf_counter() - self.t0:.2f}s)")
 
 
 # ---- load ---------------------------------------------------------------------------------
