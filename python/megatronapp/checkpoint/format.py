@@ -117,13 +117,14 @@ def read(path: str, names=None) -> tuple[dict, dict]:
                 raise CheckpointError(f"{path}: tensor '{name}' has shape {shape} ({info['dtype']})"
                                       f" but {e - b} bytes")
             f.seek(data_start + b)
-            blob = f.read(e - b)
+            blob = bytearray(e - b)  # read straight into the tensor's memory
+            if f.readinto(blob) != e - b:
+                raise CheckpointError(f"{path}: tensor '{name}' is truncated")
             if name in crcs and zlib.crc32(blob) != crcs[name]:
                 raise CheckpointError(f"{path}: checksum mismatch in tensor '{name}' (the file is "
                                       "corrupted)")
-            t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else \
-                torch.empty(0, dtype=torch.uint8)
-            out[name] = t.view(dtype).reshape(shape) if blob else torch.empty(shape, dtype=dtype)
+            out[name] = (torch.frombuffer(blob, dtype=torch.uint8).view(dtype).reshape(shape)
+                         if blob else torch.empty(shape, dtype=dtype))
     return out, meta
 
 
