@@ -189,6 +189,9 @@ def _schedule(args, m: int):
     return Schedule.by_name(args.pipeline_schedule, pp, m, v)
 
 
+_FLAG_CHECKS = [0]
+
+
 def _check_flags_agree(args, rank: int, world: int) -> None:
     """Every rank must run with the same flags: compared through the
     rendezvous store, before any collective, with one message naming the
@@ -197,7 +200,8 @@ def _check_flags_agree(args, rank: int, world: int) -> None:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    store = dist.PrefixStore("mapp_flags/", c10d._get_default_store())
+    _FLAG_CHECKS[0] += 1  # several train() calls may share one process group
+    store = dist.PrefixStore(f"mapp_flags/{_FLAG_CHECKS[0]}/", c10d._get_default_store())
     mine = json.dumps(vars(args), sort_keys=True, default=str)
     store.set(str(rank), mine)
     everyone = [json.loads(store.get(str(r))) for r in range(world)]

@@ -51,6 +51,7 @@ def _store():
 class Watchdog:
     #: The running watchdog of this process, if any.
     current: Watchdog | None = None
+    _generation = 0
 
     def __init__(self, timeout: float = 30.0, interval: float = 1.0, *, exit_on_death=True):
         if timeout <= 2 * interval:
@@ -58,7 +59,8 @@ class Watchdog:
                              f"interval ({interval}s)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout, self.interval, self.exit_on_death = timeout, interval, exit_on_death
-        self.store = dist.PrefixStore("mapp_hb/", _store())
+        Watchdog._generation += 1  # every rank creates its watchdogs in the same order
+        self.store = dist.PrefixStore(f"mapp_hb/{Watchdog._generation}/", _store())
         self.dead: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mapp-watchdog", daemon=True)
@@ -70,6 +72,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stops watching; peers treat this rank as finished, not dead."""
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
@@ -101,6 +108,8 @@ class Watchdog:
                     if r == self.rank:
                         continue
                     key = str(r)
+                    if self.store.check([f"done/{r}"]):
+                        continue  # finished its run normally
                     if not self.store.check([key]):
                         if now - start > self.timeout:
                             dead.append((r, "never started its heartbeat"))
