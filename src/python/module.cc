@@ -262,6 +262,20 @@ void register_pipeline(py::module_& parent) {
   m.def("chrome_trace", &pl::chrome_trace, py::arg("schedule"), py::arg("result"));
 }
 
+mapp::trace::Event make_event(const std::string& name, const std::string& category, int lane,
+                              std::int64_t start_ns, std::int64_t end_ns, int microbatch,
+                              int chunk) {
+  mapp::trace::Event e;
+  e.set_name(name);
+  e.category = mapp::trace::parse_category(category);
+  e.lane = static_cast<std::uint8_t>(lane);
+  e.start_ns = start_ns;
+  e.end_ns = end_ns;
+  e.microbatch = microbatch;
+  e.chunk = chunk;
+  return e;
+}
+
 void register_trace(py::module_& parent) {
   namespace tr = mapp::trace;
   auto m = parent.def_submodule("trace", "Tracer (C++ core)");
@@ -305,14 +319,7 @@ void register_trace(py::module_& parent) {
   m.def("gpu_end", [](std::int64_t handle, const std::string& name, const std::string& category,
                       int lane, std::int64_t start_ns, std::int64_t end_ns, int microbatch,
                       int chunk) {
-    tr::Event e;
-    e.set_name(name);
-    e.category = tr::parse_category(category);
-    e.lane = static_cast<std::uint8_t>(lane);
-    e.start_ns = start_ns;
-    e.end_ns = end_ns;
-    e.microbatch = microbatch;
-    e.chunk = chunk;
+    tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
     if (tr::global()) e.iteration = tr::global()->iteration();
     mapp::torch_ext::gpu_timer_end(handle, e);
   });
@@ -328,14 +335,7 @@ void register_trace(py::module_& parent) {
                      std::int64_t busy_ns) {
     tr::Tracer* t = tr::global();
     if (t == nullptr || !t->enabled()) return;
-    tr::Event e;
-    e.set_name(name);
-    e.category = tr::parse_category(category);
-    e.lane = static_cast<std::uint8_t>(lane);
-    e.start_ns = start_ns;
-    e.end_ns = end_ns;
-    e.microbatch = microbatch;
-    e.chunk = chunk;
+    tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
     e.peer = peer;
     e.bytes = bytes;
     e.set_group(group);
