@@ -52,8 +52,6 @@ class PipelineResult:
     peak_activations: int = 0  #: most microbatch-chunk activations held at once
     compute_time: dict = field(default_factory=dict)  #: type -> mean seconds per action
     recv_wait_time: float = 0.0  #: seconds spent waiting for inputs
-    send_time: list = field(default_factory=list)  #: per send: seconds until seen complete
-    send_link: list = field(default_factory=list)  #: per send: link s (stage s <-> s+1)
     step_time: float = 0.0
     tensor_shape: tuple | None = None  #: of the tensors between stages
     dtype: torch.dtype | None = None
@@ -73,7 +71,7 @@ class _P2P:
         self.p, self.m = schedule.stages, schedule.microbatches
         self.shape, self.dtype, self.device = shape, dtype, device
         self.recvs: dict = {}
-        self.sends: list = []  # (work, tensor, t_post, peer)
+        self.sends: list = []  # (work, tensor): the tensor lives until the send is done
         self.result: PipelineResult | None = None
 
     def tag(self, kind: int, mb: int, vstage: int) -> int:
@@ -123,31 +121,11 @@ class _P2P:
             _trace.record("send", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1], peer=dst,
                           bytes=tensor.numel() * tensor.element_size(),
                           group=f"p2p:{self.me}->{dst}", seq=tag)
-        link = self.stage if key[0] == 0 else peer  # activations go forward, gradients back
-        self.sends.append((work, tensor, time.perf_counter(), link))
-
-    def poll(self) -> None:
-        """Retires completed sends (and records how long they took)."""
-        now = time.perf_counter()
-        keep = []
-        for item in self.sends:
-            if item[0].is_completed():
-                self._retire(item, now)
-            else:
-                keep.append(item)
-        self.sends = keep
-
-    def _retire(self, item, now) -> None:
-        work, _, t0, link = item
-        work.wait()  # exactly once: a second wait on a Gloo send never returns
-        if now is None:
-            now = time.perf_counter()
-        self.result.send_time.append(now - t0)
-        self.result.send_link.append(link)
+        self.sends.append((work, tensor))
 
     def finish(self) -> None:
-        for item in self.sends:
-            self._retire(item, None)
+        for work, _ in self.sends:
+            work.wait()  # exactly once: a second wait on a Gloo send never returns
         self.sends = []
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
@@ -168,9 +146,6 @@ class _DelayedSend:
             self._work = dist.isend(tensor, dst=dst, group=group, tag=tag)
         except Exception as e:  # surfaced by wait()
             self._error = e
-
-    def is_completed(self) -> bool:
-        return False
 
     def wait(self):
         self._thread.join()
@@ -321,7 +296,6 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                     times[a.type].append(time.perf_counter() - t0)
                     if p2p.trace:
                         busy.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
-                p2p.poll()
             p2p.finish()
         if forward_only:
             return _finish(result, times, t_step)
