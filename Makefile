@@ -20,7 +20,7 @@ DEMO_ITERS   ?= 300
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 
-.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline fuzz gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -79,6 +79,19 @@ bench-dp: build
 bench-memory: build
 	$(PY) benchmarks/memory_pool.py
 
+# Needs root: end-to-end, ours vs the PyTorch-native stack, 4 ranks on a loopback
+# "node" and on two network-namespace "nodes" joined by a 1 Gbit/s veth (~40 min).
+bench-e2e: build
+	$(PY) benchmarks/e2e/run.py
+
+# Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
+bench-scale: build
+	$(PY) benchmarks/scale_predictions.py
+
+# On a CUDA machine: single-GPU MFU of a ~1.4B GPT in bf16, ours vs plain PyTorch.
+bench-mfu: build
+	$(PY) benchmarks/e2e/mfu_gpu.py
+
 # libFuzzer (clang, ASan + UBSan) on the schedule and allocation-trace parsers.
 fuzz:
 	tests/fuzz/run.sh $(FUZZ_RUNS)
@@ -96,6 +109,7 @@ gpu-check: build
 	$(PY) benchmarks/kernels_gpu.py
 	$(PY) benchmarks/codecs_gpu.py
 	$(PY) benchmarks/memory_gpu.py
+	$(PY) benchmarks/e2e/mfu_gpu.py
 
 clean:
 	rm -rf build runs

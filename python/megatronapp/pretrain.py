@@ -91,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=4, help="validation batches at the end")
+    g.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
+    g.add_argument("--eval-interval", type=int, default=0, metavar="N",
+                   help="also evaluate every N iterations (0: only at the end); the loss curve "
+                        "records validation loss and training-only wall time at each")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("data and output")
@@ -225,8 +228,12 @@ def _memory_device(args) -> str:
     return "cuda" if backend == "nccl" else "cpu"
 
 
-def train(args) -> dict:
-    """Runs the whole job; returns the summary (also written as summary.json)."""
+def train(args, callbacks=None) -> dict:
+    """Runs the whole job; returns the summary (also written as summary.json).
+
+    ``callbacks`` (optional, every rank): an object with ``begin(iteration)``
+    and ``end(iteration, record)``, called around each training iteration
+    (outside evaluation) — benchmarks use it to sample counters per step."""
     if args.record_alloc_trace and not args.memory_pool:
         raise SystemExit("--record-alloc-trace needs --memory-pool")
     mem_device = _memory_device(args)
@@ -337,6 +344,15 @@ def train(args) -> dict:
         torch.distributed.all_reduce(total, group=state.data_group)  # SUM; divide below
         return float(total) / state.dp_size
 
+    def evaluate(per_batch: bool = False):
+        for c in chunks:
+            c.eval()
+        with torch.no_grad():
+            valid = [batch_loss("valid", i, backward=False) for i in range(args.eval_iters)]
+        for c in chunks:
+            c.train()
+        return valid if per_batch else sum(valid) / max(1, len(valid))
+
     is_logger = rank == 0
     bar = None
     if is_logger and not args.no_progress:
@@ -398,9 +414,12 @@ def train(args) -> dict:
 
         detector = OnlineDetector(args.trace_dir, args.trace_detect_interval, world)
     stopped_at = None
+    train_seconds = 0.0  # training only: excludes evaluation and checkpointing
     for it in range(start_iter, args.train_iters):
         faults.maybe_kill(rank, it)
         watchdog.set_phase(f"iteration {it + 1}")
+        if callbacks is not None:
+            callbacks.begin(it)
         t0 = time.perf_counter()
         traced = tracing.begin_iteration(it)
         with tracing.scope("iteration", "iteration", lane=0):
@@ -418,6 +437,15 @@ def train(args) -> dict:
         if detector is not None and traced:
             detector.after_traced_iteration(it)
         dt = time.perf_counter() - t0
+        train_seconds += dt
+        record = {"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
+                  "grad_norm": grad_norm, "seconds": dt, "tokens_per_s": tokens_per_iter / dt,
+                  "train_seconds": train_seconds}
+        if callbacks is not None:
+            callbacks.end(it, record)
+        if args.eval_interval and (it + 1) % args.eval_interval == 0 and it + 1 < args.train_iters:
+            watchdog.set_phase(f"evaluation after iteration {it + 1}")
+            record["valid_loss"] = evaluate()
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             save_checkpoint(it + 1)
         if world > 1:  # did any rank get SIGTERM? (one tiny all-reduce per iteration)
@@ -432,9 +460,7 @@ def train(args) -> dict:
                 print(f"[megatronapp] SIGTERM: stopped after iteration {it + 1}"
                       + (f", checkpoint in {args.save}" if args.save else ""), flush=True)
             break
-        history.append({"iteration": it + 1, "loss": loss, "lr": _lr_at(args, it),
-                        "grad_norm": grad_norm, "seconds": dt,
-                        "tokens_per_s": tokens_per_iter / dt})
+        history.append(record)
         if is_logger:
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}")
@@ -459,12 +485,9 @@ def train(args) -> dict:
         tracing.stop()
         summary_trace = {"path": stats.get("path"), "events": stats.get("recorded"),
                          "dropped": stats.get("dropped")}
-    for c in chunks:
-        c.eval()
-    with torch.no_grad():
-        valid = [batch_loss("valid", i, backward=False) for i in range(args.eval_iters)]
-    for c in chunks:
-        c.train()
+    valid = evaluate(per_batch=True)
+    if history and args.eval_interval:
+        history[-1]["valid_loss"] = sum(valid) / len(valid) if valid else None
     if args.record_alloc_trace:
         path = args.record_alloc_trace
         path = path.replace("{rank}", str(rank)) if "{rank}" in path else (
@@ -483,6 +506,7 @@ def train(args) -> dict:
         "wall_seconds": wall,
         "tokens_per_s": tokens_per_iter * len(history) / wall if wall > 0 else 0.0,
         "losses": [h["loss"] for h in history],
+        "history": history,
     }
     if args.memory_pool:
         summary["memory"] = memory.stats(mem_device)
@@ -524,11 +548,13 @@ def train(args) -> dict:
 def _write_outputs(out_dir: str, history: list, summary: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "loss.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(history[0].keys()) if history else ["iteration"])
+        fields = list(dict.fromkeys(k for h in history for k in h)) or ["iteration"]
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(history)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({k: v for k, v in summary.items() if k != "losses"}, f, indent=2)
+        json.dump({k: v for k, v in summary.items() if k not in ("losses", "history")}, f,
+                  indent=2)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -536,7 +562,11 @@ def _write_outputs(out_dir: str, history: list, summary: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="train")
-    if summary.get("valid_loss") is not None:
+    evals = [h for h in history if h.get("valid_loss") is not None]
+    if len(evals) > 1:
+        ax.plot([h["iteration"] for h in evals], [h["valid_loss"] for h in evals], "o-",
+                label="validation")
+    elif summary.get("valid_loss") is not None:
         ax.axhline(summary["valid_loss"], color="tab:orange", ls="--", label="validation (end)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats/token)")

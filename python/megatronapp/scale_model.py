@@ -1,0 +1,229 @@
+"""A calibrated performance model for planning runs past this machine.
+
+Predicts the iteration time of a Megatron-style GPT job (tensor x pipeline x
+data parallelism) on a cluster described by :class:`Hardware`, by feeding
+per-stage compute and communication times into the pipeline simulator
+(:func:`megatronapp.pipeline.simulate`, the same event simulator the executor
+is checked against) and adding the data-parallel gradient reduction and the
+optimizer step.
+
+Terms (per microbatch, per pipeline stage, per GPU of the tensor group):
+
+* matrix multiplies: FLOPs / (peak x ``gemm_efficiency``). Forward of one layer
+  ``2 b s (3 h^2 + h^2 + 2 h f) + 4 b s^2 h`` over t GPUs; the input gradient
+  costs as much again, the weight gradient as much as the weight matmuls;
+  full activation recomputation adds one forward to the backward; the output
+  layer ``2 b s h V / t`` sits on the last stage;
+* memory-bound element-wise work (LayerNorm, GELU, softmax, dropout, residual):
+  the activation bytes of Korthikanti et al. 2022 (``s b h (10 + 24/t) + 5 a s^2
+  b / t``) moved ``memory_passes`` times per pass at HBM bandwidth;
+* tensor-parallel all-reduces (2 per layer per pass, ``s b h`` elements):
+  ring over the node's links, ``2 (t-1) latency + 2 (t-1)/t bytes / bus_bw``;
+* pipeline send/receive: ``latency + bytes / bw`` per microbatch and boundary
+  (``s b h / t`` elements with Megatron's scatter-gather across the tensor
+  group), on the inter-node link when consecutive stages sit on different nodes;
+* data-parallel gradients: ring all-reduce (or reduce-scatter + all-gather for
+  ZeRO-1, same bytes) of this GPU's parameters over d ranks on the inter-node
+  link, at ``grad_bytes`` per element (a codec shrinks it: int8 ~ 1.02,
+  onebit ~ 0.14 bytes); overlapped with the last backward passes when
+  ``overlap_dp`` is set;
+* optimizer: ``optimizer_bytes`` per parameter moved at HBM bandwidth.
+
+``calibrate`` fits ``gemm_efficiency`` so that one published run is reproduced;
+the others are then predictions. Inputs and anchors are documented in
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .pipeline.schedules import Schedule, costs, simulate
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  #: dense half-precision matmul rate per GPU, FLOP/s
+    hbm_bandwidth: float  #: bytes/s per GPU
+    gpus_per_node: int
+    intra_bus_bandwidth: float  #: NCCL all-reduce bus bandwidth inside a node, bytes/s
+    intra_latency: float  #: seconds per ring step inside a node
+    inter_bandwidth: float  #: per-GPU network bandwidth between nodes, bytes/s (one direction)
+    inter_latency: float  #: seconds per message / ring step between nodes
+    gemm_efficiency: float = 0.8  #: achieved fraction of peak in matmuls (calibrated)
+    memory_passes: float = 2.0  #: activation bytes read+written per element-wise pass
+
+
+@dataclass(frozen=True)
+class Job:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    tp: int
+    pp: int
+    dp: int
+    global_batch_size: int
+    micro_batch_size: int = 1
+    ffn_hidden_size: int | None = None
+    vpp: int = 1  #: model chunks per stage (interleaved)
+    schedule: str = "1f1b"  #: 1f1b (interleaved when vpp > 1), zero-bubble, gpipe, dynamic
+    memory_limit: int | None = None  #: dynamic: live (microbatch x chunk) activations per stage
+    recompute: bool = True  #: full activation recomputation
+    act_bytes: int = 2  #: activations / TP and PP messages (bf16)
+    grad_bytes: float = 2.0  #: bytes per gradient element on the data-parallel wire
+    overlap_dp: bool = False  #: reduce gradients during the last backward passes
+    optimizer_bytes: float = 36.0  #: Adam with fp32 master weights, moved per step
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def parameters(self) -> float:
+        h, f, n, v = self.hidden_size, self.ffn, self.num_layers, self.vocab_size
+        return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
+
+    def model_flops(self) -> float:
+        """Megatron's FLOPs per iteration (Narayanan et al. 2021, eq. 3): with
+        recomputation 96 B s l h^2 (1 + s/6h + V/16lh); without, 72 (...)."""
+        b, s, n, h, v = self.global_batch_size, self.seq_length, self.num_layers, \
+            self.hidden_size, self.vocab_size
+        k = 96 if self.recompute else 72
+        return k * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+
+
+def _ring_all_reduce(nbytes, n, bw, lat):
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+
+
+def stage_times(job: Job, hw: Hardware) -> dict:
+    """Per microbatch, per virtual stage: forward, backward-input and
+    backward-weight seconds (recomputation counted in backward-input), the
+    point-to-point message time, and the output layer's extra time on the last
+    stage."""
+    b, s, h, f, a, t = (job.micro_batch_size, job.seq_length, job.hidden_size, job.ffn,
+                        job.num_attention_heads, job.tp)
+    layers_per_chunk = job.num_layers / (job.pp * job.vpp)
+    rate = hw.peak_flops * hw.gemm_efficiency
+    weight_flops = 2 * b * s * (4 * h * h + 2 * h * f) / t
+    attn_flops = 4 * b * s * s * h / t
+    act = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t  # bytes stored per layer
+    mem = hw.memory_passes * act / hw.hbm_bandwidth
+    tp_ar = _ring_all_reduce(s * b * h * job.act_bytes, t, hw.intra_bus_bandwidth,
+                             hw.intra_latency)
+    fwd_layer = (weight_flops + attn_flops) / rate + mem + 2 * tp_ar
+    bi_layer = (weight_flops + 2 * attn_flops) / rate + 2 * mem + 2 * tp_ar
+    w_layer = weight_flops / rate
+    if job.recompute:
+        bi_layer += fwd_layer
+    head_f = 2 * b * s * h * job.vocab_size / t / rate
+    msg = s * b * h * job.act_bytes / t
+    # Megatron's rank order (tp fastest, then dp, then pp): consecutive stages are
+    # tp * dp ranks apart, on different nodes once that fills a node.
+    cross_node = t * job.dp >= hw.gpus_per_node
+    bw, lat = ((hw.inter_bandwidth, hw.inter_latency) if cross_node
+               else (hw.intra_bus_bandwidth, hw.intra_latency))
+    return {"forward": layers_per_chunk * fwd_layer, "backward_input": layers_per_chunk * bi_layer,
+            "backward_weight": layers_per_chunk * w_layer, "p2p": lat + msg / bw,
+            "head": {"forward": head_f, "backward_input": head_f, "backward_weight": head_f}}
+
+
+def _schedule(job: Job, fwd, bi, bw, p2p) -> Schedule:
+    m = job.microbatches
+    if job.schedule == "dynamic":  # the adaptive planner, given the modelled costs
+        return Schedule.dynamic(job.pp, m, job.vpp, "adaptive", job.memory_limit,
+                                costs=costs(job.pp, fwd, bi, bw, p2p))
+    return Schedule.by_name(job.schedule, job.pp, m, job.vpp)
+
+
+def predict(job: Job, hw: Hardware) -> dict:
+    """Iteration time and throughput of `job` on `hw` (see module docstring)."""
+    if job.global_batch_size % (job.micro_batch_size * job.dp):
+        raise ValueError(f"global batch {job.global_batch_size} is not divisible by micro-batch "
+                         f"{job.micro_batch_size} x dp {job.dp}")
+    st = stage_times(job, hw)
+    p, v = job.pp, job.vpp
+    # Per-stage costs; the output layer adds to the last stage (its last chunk
+    # under interleaving is averaged over its chunks, as the executor's costs are).
+    fwd = [st["forward"]] * p
+    bi = [st["backward_input"]] * p
+    bw = [st["backward_weight"]] * p
+    fwd[-1] += st["head"]["forward"] / v
+    bi[-1] += st["head"]["backward_input"] / v
+    bw[-1] += st["head"]["backward_weight"] / v
+    sched = _schedule(job, fwd, bi, bw, st["p2p"])
+    sim = simulate(sched, fwd, bi, bw, st["p2p"])
+    params_per_gpu = job.parameters() / (job.tp * job.pp)
+    dp_time = _ring_all_reduce(params_per_gpu * job.grad_bytes, job.dp, hw.inter_bandwidth,
+                               hw.inter_latency)
+    exposed_dp = dp_time
+    if job.overlap_dp:  # buckets start during the last backward passes of each chunk
+        window = v * (st["backward_input"] + st["backward_weight"])
+        exposed_dp = max(0.0, dp_time - window)
+    opt = params_per_gpu / job.dp * job.optimizer_bytes / hw.hbm_bandwidth
+    total = sim.makespan + exposed_dp + opt
+    flops = job.model_flops()
+    per_gpu = flops / total / job.gpus
+    return {"iteration_s": total, "pipeline_s": sim.makespan, "bubble_fraction": sim.bubble_fraction,
+            "dp_s": dp_time, "dp_exposed_s": exposed_dp, "optimizer_s": opt,
+            "tflops_per_gpu": per_gpu / 1e12, "aggregate_pflops": flops / total / 1e15,
+            "mfu": per_gpu / hw.peak_flops, "schedule": sched.name,
+            # live activations at the peak, in layers' worth of one microbatch
+            "peak_activation_layers": max(sim.peak_activations) * job.num_layers / (p * v),
+            "peak_activation_chunks": max(sim.peak_activations)}
+
+
+def calibrate(job: Job, hw: Hardware, tflops_per_gpu: float) -> Hardware:
+    """Returns `hw` with the matmul efficiency that makes `job` reach the
+    measured per-GPU throughput (bisection; throughput rises with efficiency)."""
+    lo, hi = 0.05, 1.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        got = predict(job, dataclasses.replace(hw, gemm_efficiency=mid))["tflops_per_gpu"]
+        lo, hi = (mid, hi) if got < tflops_per_gpu else (lo, mid)
+    eff = 0.5 * (lo + hi)
+    if not 0.06 < eff < 0.99:
+        raise ValueError(f"cannot reach {tflops_per_gpu} TFLOP/s per GPU on {hw.name} with any "
+                         f"matmul efficiency (got {eff:.3f}); check the job and hardware")
+    return dataclasses.replace(hw, gemm_efficiency=eff)
+
+
+# Hardware descriptions (vendor datasheets; NCCL bus bandwidth as typically
+# measured by nccl-tests on DGX systems). See docs/performance.md for sources.
+A100_SELENE = Hardware(
+    name="DGX A100 (Selene): A100-SXM4-80GB, NVLink3, 8x HDR 200 Gb/s per node",
+    peak_flops=312e12, hbm_bandwidth=2.039e12, gpus_per_node=8,
+    intra_bus_bandwidth=230e9, intra_latency=8e-6,
+    inter_bandwidth=25e9, inter_latency=10e-6)
+H100_EOS = Hardware(
+    name="DGX H100: H100-SXM5-80GB, NVLink4, 8x NDR 400 Gb/s per node",
+    peak_flops=989e12, hbm_bandwidth=3.35e12, gpus_per_node=8,
+    intra_bus_bandwidth=450e9, intra_latency=6e-6,
+    inter_bandwidth=50e9, inter_latency=8e-6)
+
+# Published runs (configuration, measured throughput).
+GPT3_175B_1024 = Job(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+                     vocab_size=51200, tp=8, pp=16, dp=8, global_batch_size=1536)
+GPT_1T_3072 = Job(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048,
+                  vocab_size=51200, tp=8, pp=64, dp=6, global_batch_size=3072)
+
+
+def gpus_for(job: Job, gpus: int) -> Job:
+    """`job` strong-scaled to `gpus` by data parallelism (same tp, pp, global batch)."""
+    d = gpus // (job.tp * job.pp)
+    if d < 1 or d * job.tp * job.pp != gpus:
+        raise ValueError(f"{gpus} GPUs is not a multiple of tp x pp = {job.tp * job.pp}")
+    return dataclasses.replace(job, dp=d)

@@ -1,0 +1,77 @@
+"""The scale model: closed forms on a communication-free machine, the
+calibration round trip, and the published Megatron-LM runs it must reproduce."""
+
+import dataclasses as dc
+
+import pytest
+
+from megatronapp import scale_model as sm
+
+IDEAL = sm.Hardware(name="ideal", peak_flops=100e12, hbm_bandwidth=1e30, gpus_per_node=8,
+                    intra_bus_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
+                    inter_latency=0.0, gemm_efficiency=0.5, memory_passes=0.0)
+SMALL = sm.Job(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+               vocab_size=32000, tp=2, pp=4, dp=2, global_batch_size=64, recompute=False,
+               optimizer_bytes=0.0)
+
+
+def test_model_flops_match_the_published_iteration_time():
+    # GPT-3 175B, batch 1536 on 1,024 A100 at 138 TFLOP/s: about 32 s per iteration.
+    job = sm.GPT3_175B_1024
+    assert job.model_flops() / (1024 * 138e12) == pytest.approx(32.0, rel=0.02)
+    assert job.model_flops() == pytest.approx(
+        dc.replace(job, recompute=False).model_flops() * 4 / 3)
+    assert job.parameters() == pytest.approx(175e9, rel=0.01)
+
+
+def test_one_f_one_b_closed_form_without_communication():
+    r = sm.predict(SMALL, IDEAL)
+    st = sm.stage_times(SMALL, IDEAL)
+    m, p = SMALL.microbatches, SMALL.pp
+    f = st["forward"]
+    b = st["backward_input"] + st["backward_weight"]
+    head = sum(st["head"].values())
+    # The last stage (with the output layer) is the slowest; 1F1B's makespan is
+    # the bottleneck stage's work plus the fill and drain of the others.
+    assert r["pipeline_s"] >= m * (f + b) + head * m
+    assert r["pipeline_s"] == pytest.approx((m + p - 1) * (f + b) + m * head, rel=0.02)
+    assert r["dp_s"] == 0.0 and r["optimizer_s"] == 0.0
+    # A layer's forward: weight matmuls 2bs(4h^2 + 2hf)/t + attention 4bs^2h/t.
+    b_, s, h, t = 1, 1024, 1024, 2
+    layer = (2 * b_ * s * (4 * h * h + 8 * h * h) + 4 * b_ * s * s * h) / t / 50e12
+    assert f == pytest.approx(2 * layer)
+
+
+def test_bandwidth_terms():
+    slow = dc.replace(IDEAL, inter_bandwidth=1e9)
+    r = sm.predict(SMALL, slow)
+    params = SMALL.parameters() / (SMALL.tp * SMALL.pp)
+    # ring all-reduce over dp=2: 2 (d-1)/d x bytes / bw
+    assert r["dp_s"] == pytest.approx(params * 2.0 / 1e9)
+    int8 = sm.predict(dc.replace(SMALL, grad_bytes=1.0), slow)
+    assert int8["dp_s"] == pytest.approx(r["dp_s"] / 2)
+    overlapped = sm.predict(dc.replace(SMALL, overlap_dp=True), slow)
+    assert overlapped["dp_exposed_s"] < r["dp_exposed_s"]
+
+
+def test_calibration_round_trip():
+    want = sm.predict(SMALL, dc.replace(IDEAL, gemm_efficiency=0.37))["tflops_per_gpu"]
+    assert sm.calibrate(SMALL, IDEAL, want).gemm_efficiency == pytest.approx(0.37, abs=1e-3)
+    with pytest.raises(ValueError, match="cannot reach"):
+        sm.calibrate(SMALL, IDEAL, 1e6)
+
+
+def test_reproduces_megatron_within_ten_percent():
+    hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
+    assert 0.3 < hw.gemm_efficiency < 0.9
+    # Held out: 1T parameters on 3,072 A100 at 502 PFLOP/s (Narayanan et al. 2021).
+    for schedule, v in (("1f1b", 1), ("1f1b", 2)):
+        got = sm.predict(dc.replace(sm.GPT_1T_3072, schedule=schedule, vpp=v), hw)
+        assert got["aggregate_pflops"] == pytest.approx(502, rel=0.10), (schedule, v)
+
+
+def test_bad_jobs_are_rejected():
+    with pytest.raises(ValueError, match="not divisible"):
+        sm.predict(dc.replace(SMALL, global_batch_size=63), IDEAL)
+    with pytest.raises(ValueError, match="multiple of tp x pp"):
+        sm.gpus_for(SMALL, 12)
