@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from megatronapp import scale_model as sm  # noqa: E402
 
 INT8_BYTES = 1.0 + 4 / 256  # int8 codec, block 256 (fp32 scale per block)
+ONEBIT_BYTES = 1 / 8 + 4 / 256  # onebit codec, block 256 (sign bits + fp32 scale)
 
 
 def main():
@@ -81,6 +82,33 @@ def main():
                        f"{ours['tflops_per_gpu']:.0f} | {100 * ours['bubble_fraction']:.1f}% | "
                        f"{ours['peak_activation_layers'] / meg['peak_activation_layers']:.2f}x | "
                        f"{ours['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x |")
+    # 3. A bandwidth-limited cluster: the same H100 nodes with 2 x 100 Gbit/s
+    # Ethernet per node (3.1 GB/s per GPU) instead of 8 x 400 Gbit/s InfiniBand.
+    cloud = dc.replace(sm.H100_EOS, name="8x H100 per node, 2x 100 GbE per node",
+                       inter_bandwidth=25e9 / 8, inter_latency=25e-6,
+                       gemm_efficiency=hw.gemm_efficiency)
+    out.append("")
+    out.append(f"### Bandwidth-limited cluster ({cloud.name}; matmul efficiency as calibrated)\n")
+    out.append("Same schedules as above; the data-parallel reduction no longer hides behind the "
+               "last backward passes, so the gradient codec decides.\n")
+    out.append("| model | GPUs | Megatron (bf16 grads) TFLOP/s/GPU | exposed DP s | ours int8 | "
+               "exposed DP s | ours onebit | exposed DP s | int8 / Megatron | onebit / Megatron |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for gpus in (1024, 4096):
+        job = sm.gpus_for(sm.GPT3_175B_1024, gpus)
+        v = 2 if job.microbatches % job.pp == 0 else 1
+        meg = sm.predict(dc.replace(job, schedule="1f1b", vpp=v, overlap_dp=True), cloud)
+        limit = int(meg["peak_activation_layers"] * 2 * job.pp / job.num_layers)
+        ours = {}
+        for name, gb in (("int8", INT8_BYTES), ("onebit", ONEBIT_BYTES)):
+            ours[name] = sm.predict(dc.replace(job, schedule="dynamic", vpp=2, memory_limit=limit,
+                                               grad_bytes=gb, overlap_dp=True), cloud)
+        out.append(f"| GPT-3 175B | {gpus:,} | {meg['tflops_per_gpu']:.0f} | "
+                   f"{meg['dp_exposed_s']:.2f} | {ours['int8']['tflops_per_gpu']:.0f} | "
+                   f"{ours['int8']['dp_exposed_s']:.2f} | {ours['onebit']['tflops_per_gpu']:.0f} | "
+                   f"{ours['onebit']['dp_exposed_s']:.2f} | "
+                   f"{ours['int8']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x | "
+                   f"{ours['onebit']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x |")
     text = "\n".join(out) + "\n"
     print(text, end="")
     if a.markdown:

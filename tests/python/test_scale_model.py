@@ -35,7 +35,7 @@ def test_one_f_one_b_closed_form_without_communication():
     # the bottleneck stage's work plus the fill and drain of the others.
     assert r["pipeline_s"] >= m * (f + b) + head * m
     assert r["pipeline_s"] == pytest.approx((m + p - 1) * (f + b) + m * head, rel=0.02)
-    assert r["dp_s"] == 0.0 and r["optimizer_s"] == 0.0
+    assert r["dp_s"] < 1e-12 and r["optimizer_s"] == 0.0
     # A layer's forward: weight matmuls 2bs(4h^2 + 2hf)/t + attention 4bs^2h/t.
     b_, s, h, t = 1, 1024, 1024, 2
     layer = (2 * b_ * s * (4 * h * h + 8 * h * h) + 4 * b_ * s * s * h) / t / 50e12
