@@ -88,6 +88,7 @@ PoolOptions PoolOptions::torch_like() {
   PoolOptions o;
   o.expandable_segments = false;
   o.large_split_remainder = (std::size_t(1) << 20) + 1;  // torch: split large if rest > 1 MiB
+  o.expandable_small_pool = true;  // torch keeps its small pool apart in either mode
   o.name = "torch-like";
   return o;
 }
@@ -338,7 +339,9 @@ struct CachingPool::Impl {
   Block* grow_expandable(FreeIndex& ix, std::size_t size) {
     Segment* s = ix.expandable;
     if (s == nullptr) {
-      const std::size_t va = round_up(opt.va_bytes ? opt.va_bytes : info.total_bytes, page);
+      // Default: twice the capacity, so that the extent can creep past
+      // long-lived blocks near its end while holes below are remapped.
+      const std::size_t va = round_up(opt.va_bytes ? opt.va_bytes : 2 * info.total_bytes, page);
       void* base = dev.reserve(va);
       if (base == nullptr) {
         grow_failure = "reserving the expandable segment's address range failed";
@@ -535,7 +538,8 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t size = std::max(round_up(bytes, kMinBlock), kMinBlock);
   MAPP_CHECK(size >= bytes, "allocation of ", bytes, " bytes overflows");
   if (!m.pending.empty()) m.process_pending();
-  const Kind kind = size <= options_.small_size ? Kind::kSmall : Kind::kLarge;
+  const bool split_pools = !options_.expandable_segments || options_.expandable_small_pool;
+  const Kind kind = split_pools && size <= options_.small_size ? Kind::kSmall : Kind::kLarge;
   FreeIndex& ix = m.index_for(kind, stream);
   Block* b = Impl::find_fit(ix, size);
   if (b != nullptr) {

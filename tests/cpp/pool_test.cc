@@ -155,6 +155,26 @@ TEST(PoolPolicy, ExpandableSegmentsMergeAcrossGrowth) {
   }
 }
 
+TEST(PoolPolicy, ExpandableSmallAndLargeShareOneSegmentUnlessAskedNot) {
+  for (bool separate : {false, true}) {
+    HostDevice dev;
+    PoolOptions o = expandable();
+    o.expandable_small_pool = separate;
+    CachingPool pool(dev, o);
+    void* small = pool.allocate(4096);
+    void* large = pool.allocate(3 * kMiB);
+    // Shared: one segment, the small block and the large one side by side in
+    // one 4 MiB mapping; separate: two segments of 2 + 4 MiB.
+    EXPECT_EQ(pool.stats().num_segments, separate ? 2u : 1u);
+    EXPECT_EQ(pool.stats().reserved_bytes, (separate ? 6 : 4) * kMiB);
+    pool.deallocate(small);
+    pool.deallocate(large);
+    pool.release_cached();
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    expect_valid(pool);
+  }
+}
+
 TEST(PoolPolicy, GarbageCollectionThresholdReleasesBeforeGrowing) {
   HostDevice::Options d;
   d.capacity_bytes = 100 * kMiB;
@@ -176,7 +196,7 @@ void fuzz(const PoolOptions& options, int ops, unsigned seed) {
   d.manual_events = true;
   HostDevice dev(d);
   PoolOptions o = options;
-  o.va_bytes = 512 * kMiB;
+  o.va_bytes = 0;  // the default reservation (2 x capacity)
   CachingPool pool(dev, o);
   std::mt19937_64 rng(seed);
   struct Live {
@@ -258,6 +278,11 @@ void fuzz(const PoolOptions& options, int ops, unsigned seed) {
 
 TEST(PoolFuzz, MillionOperationsTorchLike) { fuzz(PoolOptions::torch_like(), 1000000, 7); }
 TEST(PoolFuzz, MillionOperationsExpandable) { fuzz(expandable(), 1000000, 8); }
+TEST(PoolFuzz, MillionOperationsExpandableSeparateSmallPool) {
+  PoolOptions o = expandable();
+  o.expandable_small_pool = true;
+  fuzz(o, 1000000, 9);
+}
 
 // ---- traces -------------------------------------------------------------------
 

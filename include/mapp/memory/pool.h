@@ -3,8 +3,13 @@
 // Note [Pool policy]
 //  1. Sizes round up to kMinBlock (512 B); blocks split exactly, so internal
 //     waste is below 512 B per allocation.
-//  2. Two pools: small requests (<= small_size, 1 MiB) and large ones never
-//     share a segment, so long-lived large tensors do not pin small slivers.
+//  2. Two pools with plain segments: small requests (<= small_size, 1 MiB) and
+//     large ones never share a segment, so long-lived large tensors do not pin
+//     small slivers. With expandable segments both share the one segment of
+//     their stream (unless expandable_small_pool): any free neighbours merge
+//     there anyway, and one growing tail instead of two wastes less — measured
+//     on the 12 recorded GPT traces, peak fragmentation 1.2-6.9% shared against
+//     2.4-11.7% split (benchmarks/RESULTS.md).
 //  3. Free blocks are indexed per (pool, stream) in segregated bins — 8 bins
 //     per power of two (TLSF-style) with a bitmap of non-empty bins. Lookup is
 //     best-fit within the request's own bin (bounded scan), else the first
@@ -29,10 +34,12 @@
 //  strands free slivers at segment ends. Approach: per (pool, stream) reserve
 //  one large address range and map granularity-sized pages at its end on
 //  demand; everything mapped is one segment, so any two free neighbours merge.
-//  Limitations: only the free tail is ever unmapped (interior holes stay
-//  mapped until they become the tail); memory from virtual mappings cannot be
+//  Limitations: free pages are given back only by release_cached() (and the
+//  out-of-memory retry): interior ones become holes that later growth remaps
+//  first, a free tail shrinks the extent; memory from virtual mappings cannot be
 //  shared through CUDA IPC; the address range reserved is va_bytes per
-//  (pool, stream).
+//  (pool, stream) — twice the capacity by default, since a long-lived block
+//  near the end keeps the extent from shrinking and growth must go past it.
 //
 // Invariants (checked by is_valid()):
 //  * Every segment's blocks tile [base, base + size) in address order,
@@ -74,7 +81,8 @@ struct PoolOptions {
   std::size_t round_large = std::size_t(2) << 20;        // rounding of own segments
   std::size_t small_split_remainder = 512;               // split if remainder >= this
   std::size_t large_split_remainder = 512;               // (torch: > 1 MiB)
-  std::size_t va_bytes = 0;            // expandable reservation per (pool, stream); 0 = capacity
+  std::size_t va_bytes = 0;            // expandable reservation per (pool, stream); 0 = 2 x capacity
+  bool expandable_small_pool = false;  // expandable: keep a separate small pool (Note 2)
   double gc_threshold = 0.0;           // (0, 1]: release cache before exceeding; 0 = off
   std::string name = "pool";
 
