@@ -190,7 +190,7 @@ def run_config(topology, name, stack, flags, a, port) -> dict:
         cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--stack", stack,
                "--rank", str(r), "--master", master, "--port", str(port), "--ifname", ifname,
                "--out", os.path.join(out_dir, f"rank{r}.json")]
-        if r % 2 == 0:
+        if r == 0 or (topology == "two-node" and r == 2):  # one sampler per namespace
             cmd.append("--sample")
         procs.append(subprocess.Popen(cmd + ["--"] + flags, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, cwd=ROOT))
