@@ -221,6 +221,27 @@ def run_config(topology, name, stack, flags, a, port) -> dict:
             "final_valid": evals[-1][2] if evals else None}
 
 
+def merge_repeats(runs: list) -> dict:
+    """One row from the repeats of a configuration: medians of the step time,
+    bytes and time to target (None unless most repeats reached it), the
+    largest peak memory; the first repeat's curve for the plot."""
+    row = dict(runs[0])
+    row["repeats"] = [{k: r[k] for k in ("step_s", "seconds_to_target", "steps_to_target")}
+                      for r in runs]
+    row["step_s"] = statistics.median(r["step_s"] for r in runs)
+    row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
+    for k in ("bytes_per_step", "cross_bytes_per_step"):
+        row[k] = statistics.median(r[k] for r in runs)
+    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    reached = [r for r in runs if r["seconds_to_target"] is not None]
+    if 2 * len(reached) > len(runs):
+        row["seconds_to_target"] = statistics.median(r["seconds_to_target"] for r in reached)
+        row["steps_to_target"] = statistics.median(r["steps_to_target"] for r in reached)
+    else:
+        row["seconds_to_target"] = row["steps_to_target"] = None
+    return row
+
+
 def report(topology, rows, a) -> str:
     torch_rows = [r for r in rows if r["stack"] == "torch"]
     best_tps = max(torch_rows, key=lambda r: r["tokens_per_s"])
@@ -278,6 +299,8 @@ def main():
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--eval-iters", type=int, default=4)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration N times, round-robin; report medians")
     p.add_argument("--target-loss", type=float, default=2.25)
     p.add_argument("--configs", default="torch-ddp,torch-powersgd,torch-pp,ours-dp,ours-dp-onebit,ours-pp",
                    help=f"comma-separated keys of {list(CONFIGS)}")
@@ -307,6 +330,8 @@ def main():
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown --configs {unknown}; choose from {list(CONFIGS)}")
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     if not any(CONFIGS[n][0] == "torch" for n in names):
         raise SystemExit("--configs needs at least one PyTorch-native configuration (the baseline)")
     common = MODEL + ["--train-iters", str(a.iters), "--eval-interval", str(a.eval_interval),
@@ -320,20 +345,23 @@ def main():
         if topology not in NS:
             raise SystemExit(f"unknown --topology {topology!r}; choose loopback or two-node")
         setup(topology, a.rate)
-        rows = []
+        runs = {name: [] for name in names}
         try:
-            for name in names:
-                stack, label, flags = CONFIGS[name]
-                t0 = time.time()
-                rows.append(run_config(topology, label, stack, flags + common, a, port))
-                port += 1
-                r = rows[-1]
-                print(f"[e2e] {topology:9s} {label:44s} step {r['step_s']:.3f}s  "
-                      f"{r['tokens_per_s']:.0f} tok/s  final valid {r['final_valid']:.3f}  "
-                      f"({time.time() - t0:.0f}s)", flush=True)
+            # Round-robin over the configurations, so that a drift of the
+            # machine's speed during the benchmark hits every one alike.
+            for _ in range(a.repeats):
+                for name in names:
+                    stack, label, flags = CONFIGS[name]
+                    t0 = time.time()
+                    runs[name].append(run_config(topology, label, stack, flags + common, a, port))
+                    port += 1
+                    r = runs[name][-1]
+                    print(f"[e2e] {topology:9s} {label:44s} step {r['step_s']:.3f}s  "
+                          f"{r['tokens_per_s']:.0f} tok/s  final valid {r['final_valid']:.3f}  "
+                          f"({time.time() - t0:.0f}s)", flush=True)
         finally:
             teardown()
-        results[topology] = rows
+        results[topology] = [merge_repeats(runs[name]) for name in names]
     with open(os.path.join(a.out, "e2e.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
                    "model_flags": MODEL, "results": results}, f, indent=1)
@@ -342,7 +370,7 @@ def main():
         f.write(md)
     plot(results, os.path.join(a.out, "e2e.png"))
     print(f"\nGPT {' '.join(MODEL)}; {a.iters} iterations, 4 ranks, validation every "
-          f"{a.eval_interval}, target loss {a.target_loss}\n")
+          f"{a.eval_interval}, target loss {a.target_loss}, {a.repeats} repeat(s): medians\n")
     print(md, end="")
 
 
