@@ -504,7 +504,8 @@ def train(args, callbacks=None) -> dict:
         "final_loss": history[-1]["loss"] if history else None,
         "valid_loss": sum(valid) / len(valid) if valid else None,
         "wall_seconds": wall,
-        "tokens_per_s": tokens_per_iter * len(history) / wall if wall > 0 else 0.0,
+        "train_seconds": train_seconds,  # wall minus evaluation and checkpoint saves
+        "tokens_per_s": tokens_per_iter * len(history) / train_seconds if train_seconds > 0 else 0.0,
         "losses": [h["loss"] for h in history],
         "history": history,
     }
