@@ -209,20 +209,12 @@ def train(args, callbacks=None) -> dict:
 
     sharded = {n for n, p in model.named_parameters()
                if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
-    named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
-
     wrapped = model
     if pp == 1 and dp > 1:
         if tp > 1:  # torch's own bridge between DTensor TP and DDP
             from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
-            _pre_dp_module_transform(model)
-            named = list(model.named_parameters())
-            groups = [{"params": [p for n, p in named if p.dim() >= 2],
-                       "weight_decay": args.weight_decay},
-                      {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+            _pre_dp_module_transform(model)  # same names, local tensors
         wrapped = nn.parallel.DistributedDataParallel(model, process_group=outer_group,
                                                       bucket_cap_mb=args.bucket_size_mb)
         if args.ddp_comm_hook == "powersgd":
@@ -233,6 +225,9 @@ def train(args, callbacks=None) -> dict:
                                        start_powerSGD_iter=args.powersgd_start_iter,
                                        use_error_feedback=True, warm_start=True)
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
     m = args.global_batch_size // (args.micro_batch_size * dp)
