@@ -330,6 +330,8 @@ def main():
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown --configs {unknown}; choose from {list(CONFIGS)}")
+    if a.iters <= a.warmup:
+        raise SystemExit(f"--iters {a.iters} leaves no timed step after --warmup {a.warmup}")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     if not any(CONFIGS[n][0] == "torch" for n in names):
