@@ -27,7 +27,8 @@ Terms (per microbatch, per pipeline stage, per GPU of the tensor group):
   link, at ``grad_bytes`` per element (a codec shrinks it: int8 ~ 1.02,
   onebit ~ 0.14 bytes); overlapped with the last backward passes when
   ``overlap_dp`` is set;
-* optimizer: ``optimizer_bytes`` per parameter moved at HBM bandwidth.
+* optimizer: ``optimizer_bytes`` per parameter of this GPU's shard (distributed
+  optimizer: the parameters of the stage divided over d) at HBM bandwidth.
 
 ``calibrate`` fits ``gemm_efficiency`` so that one published run is reproduced;
 the others are then predictions. Inputs and anchors are documented in
