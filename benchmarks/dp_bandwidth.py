@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+import netns  # benchmarks/netns.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = ("mapp_bw0", "mapp_bw1")
 ADDR = ("10.77.0.1", "10.77.0.2")
@@ -32,26 +34,12 @@ BATCH, WARMUP = 4, 4
 CODECS = ["none", "bf16", "int8", "onebit:32", "topk:0.01", "powersgd:4"]
 
 
-def sh(cmd, check=True):
-    return subprocess.run(cmd, shell=True, check=check, capture_output=True, text=True)
-
-
 def setup(rate):
-    teardown()
-    sh(f"ip netns add {NS[0]} && ip netns add {NS[1]}")
-    sh(f"ip link add {DEV[0]} type veth peer name {DEV[1]}")
-    for i in (0, 1):
-        sh(f"ip link set {DEV[i]} netns {NS[i]}")
-        sh(f"ip netns exec {NS[i]} ip addr add {ADDR[i]}/24 dev {DEV[i]}")
-        sh(f"ip netns exec {NS[i]} ip link set {DEV[i]} up")
-        sh(f"ip netns exec {NS[i]} ip link set lo up")
-        sh(f"ip netns exec {NS[i]} tc qdisc add dev {DEV[i]} root tbf rate {rate} "
-           f"burst 256kb latency 50ms")
+    netns.create(NS, DEV, ADDR, rate)
 
 
 def teardown():
-    for n in NS:
-        sh(f"ip netns del {n}", check=False)
+    netns.remove(NS)
 
 
 # ---- one rank ------------------------------------------------------------------------

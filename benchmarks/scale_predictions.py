@@ -29,6 +29,19 @@ INT8_BYTES = 1.0 + 4 / 256  # int8 codec, block 256 (fp32 scale per block)
 ONEBIT_BYTES = 1 / 8 + 4 / 256  # onebit codec, block 256 (sign bits + fp32 scale)
 
 
+def megatron_and_ours(job, hw, grad_bytes):
+    """Megatron's best plan for `job` (interleaved 1F1B with v=2 when the
+    microbatch count allows, else 1F1B; bf16 gradients) and ours (the adaptive
+    planner over 2 chunks, capped at Megatron's activation memory, with
+    `grad_bytes` per gradient element); both overlap the gradient reduction."""
+    v = 2 if job.microbatches % job.pp == 0 else 1
+    meg = sm.predict(dc.replace(job, schedule="1f1b", vpp=v, overlap_dp=True), hw)
+    limit = int(meg["peak_activation_layers"] * 2 * job.pp / job.num_layers)
+    ours = sm.predict(dc.replace(job, schedule="dynamic", vpp=2, memory_limit=limit,
+                                 grad_bytes=grad_bytes, overlap_dp=True), hw)
+    return meg, ours
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--markdown", default=None, help="also write the tables here")
@@ -68,14 +81,7 @@ def main():
         label = "GPT-3 175B" if base is sm.GPT3_175B_1024 else "1T"
         for gpus in gpus_list:
             job = sm.gpus_for(base, gpus)
-            # Megatron's interleaving needs microbatches divisible by pp; else 1F1B.
-            v = 2 if job.microbatches % job.pp == 0 else 1
-            meg = sm.predict(dc.replace(job, schedule="1f1b", vpp=v, overlap_dp=True), hw)
-            # Ours: the adaptive dynamic planner over 2 chunks per stage, capped at
-            # Megatron's peak activation memory, plus int8 gradients.
-            limit = int(meg["peak_activation_layers"] * 2 * job.pp / job.num_layers)
-            ours = sm.predict(dc.replace(job, schedule="dynamic", vpp=2, memory_limit=limit,
-                                         grad_bytes=INT8_BYTES, overlap_dp=True), hw)
+            meg, ours = megatron_and_ours(job, hw, INT8_BYTES)
             out.append(f"| {label} | {gpus:,} | {job.microbatches} | {meg['schedule']} | "
                        f"{meg['tflops_per_gpu']:.0f} | "
                        f"{100 * meg['bubble_fraction']:.1f}% | {ours['schedule']} | "
@@ -96,13 +102,9 @@ def main():
     out.append("|---|---|---|---|---|---|---|---|---|---|")
     for gpus in (1024, 4096):
         job = sm.gpus_for(sm.GPT3_175B_1024, gpus)
-        v = 2 if job.microbatches % job.pp == 0 else 1
-        meg = sm.predict(dc.replace(job, schedule="1f1b", vpp=v, overlap_dp=True), cloud)
-        limit = int(meg["peak_activation_layers"] * 2 * job.pp / job.num_layers)
-        ours = {}
-        for name, gb in (("int8", INT8_BYTES), ("onebit", ONEBIT_BYTES)):
-            ours[name] = sm.predict(dc.replace(job, schedule="dynamic", vpp=2, memory_limit=limit,
-                                               grad_bytes=gb, overlap_dp=True), cloud)
+        meg, int8 = megatron_and_ours(job, cloud, INT8_BYTES)
+        _, onebit = megatron_and_ours(job, cloud, ONEBIT_BYTES)
+        ours = {"int8": int8, "onebit": onebit}
         out.append(f"| GPT-3 175B | {gpus:,} | {meg['tflops_per_gpu']:.0f} | "
                    f"{meg['dp_exposed_s']:.2f} | {ours['int8']['tflops_per_gpu']:.0f} | "
                    f"{ours['int8']['dp_exposed_s']:.2f} | {ours['onebit']['tflops_per_gpu']:.0f} | "

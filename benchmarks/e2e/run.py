@@ -45,6 +45,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))
+import netns  # noqa: E402  (benchmarks/netns.py)
+
 WORLD = 4
 NS = {"loopback": ["mapp_e2e_a"], "two-node": ["mapp_e2e_b0", "mapp_e2e_b1"]}
 ADDR = ("10.78.0.1", "10.78.0.2")
@@ -78,31 +81,17 @@ MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "
          "--untie-embeddings-and-output-weights"]
 
 
-def sh(cmd, check=True):
-    return subprocess.run(cmd, shell=True, check=check, capture_output=True, text=True)
-
-
-# ---- network namespaces -----------------------------------------------------------------
-
 def setup(topology: str, rate: str) -> None:
     teardown()
-    for n in NS[topology]:
-        sh(f"ip netns add {n} && ip netns exec {n} ip link set lo up")
     if topology == "two-node":
-        a, b = NS["two-node"]
-        sh(f"ip link add {VETH[0]} type veth peer name {VETH[1]}")
-        for i, n in enumerate((a, b)):
-            sh(f"ip link set {VETH[i]} netns {n}")
-            sh(f"ip netns exec {n} ip addr add {ADDR[i]}/24 dev {VETH[i]}")
-            sh(f"ip netns exec {n} ip link set {VETH[i]} up")
-            sh(f"ip netns exec {n} tc qdisc add dev {VETH[i]} root tbf rate {rate} "
-               f"burst 256kb latency 50ms")
+        netns.create(NS["two-node"], VETH, ADDR, rate)
+    else:
+        netns.create(NS[topology])
 
 
 def teardown() -> None:
     for names in NS.values():
-        for n in names:
-            sh(f"ip netns del {n}", check=False)
+        netns.remove(names)
 
 
 def placement(topology: str):

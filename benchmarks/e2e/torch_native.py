@@ -23,6 +23,7 @@ train the same function on the same batches. Flags mirror pretrain_gpt.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 
@@ -289,12 +290,10 @@ def train(args, callbacks=None) -> dict:
                 total.zero_()
             dist.all_reduce(total)  # the last stage's value reaches everyone
             return float(total)
-        from megatronapp.data import TextDataset as TD
-
-        micro = TD.microbatches(tokens, labels, args.micro_batch_size, outer_rank, dp)
+        micro = dataset.microbatches(tokens, labels, args.micro_batch_size, outer_rank, dp)
         for i, (x, y) in enumerate(micro):
             ctx = wrapped.no_sync() if backward and dp > 1 and i < len(micro) - 1 else (
-                torch.no_grad() if not backward else _null())
+                torch.no_grad() if not backward else contextlib.nullcontext())
             with ctx:
                 logits = wrapped(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
@@ -332,11 +331,3 @@ def train(args, callbacks=None) -> dict:
         history.append(rec)
     return {"history": history, "parameters": cfg.num_parameters(), "tp": tp, "pp": pp,
             "dp": dp}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
