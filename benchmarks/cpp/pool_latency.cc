@@ -6,15 +6,19 @@
 // For each size, after a warm-up that leaves one cached block of that size,
 // times 200,000 alloc+free pairs one by one with a monotonic clock and reports
 // p50 / p99 of the pair in nanoseconds (timer overhead, measured the same way
-// on an empty pair, subtracted).
+// on an empty pair, subtracted). Ours runs twice: with the thread cache the CPU
+// pool uses, and locked (no thread cache). A second table runs two threads at
+// once (contention on the pool's mutex, glibc's arenas, torch's reporter).
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mapp/memory/pool.h"
@@ -41,27 +45,68 @@ Pct measure(const std::function<void()>& pair, double overhead) {
   return {std::max(0.0, ns[kIters / 2]), std::max(0.0, ns[kIters * 99 / 100])};
 }
 
+// Two threads at once, each timing its own `pairs` in one clock read pair:
+// ns per alloc+free pair (mean over the thread's loop, slower thread reported).
+double concurrent_ns(const std::function<void()>& pair, int threads) {
+  constexpr int kPairs = 2000000;
+  std::vector<double> ns(threads);
+  std::vector<std::thread> pool;
+  std::atomic<int> ready{0};
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int i = 0; i < 1000; ++i) pair();
+      ready.fetch_add(1);
+      while (ready.load() < threads) {
+      }
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kPairs; ++i) pair();
+      ns[t] = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / kPairs;
+    });
+  }
+  for (auto& th : pool) th.join();
+  return *std::max_element(ns.begin(), ns.end());
+}
+
+std::string label_of(std::size_t size) {
+  return size >= (1u << 20) ? std::to_string(size >> 20) + " MiB"
+         : size >= 1024     ? std::to_string(size >> 10) + " KiB"
+                            : std::to_string(size) + " B";
+}
+
 }  // namespace
 
 int main() {
   const double overhead = measure([] {}, 0.0).p50;
   mapp::HostDevice device;
+  // As megatronapp.memory.use_pool("cpu") installs it: expandable segments and
+  // a 32 MiB thread cache (Note [Thread cache]) ...
   mapp::PoolOptions options;
   options.expandable_segments = true;
   options.va_bytes = std::size_t(64) << 30;
+  options.thread_cache_bytes = mapp::PoolOptions::kDefaultThreadCacheBytes;
   mapp::CachingPool pool(device, options);
+  // ... and without it: every operation takes the pool's mutex.
+  mapp::PoolOptions locked_options = options;
+  locked_options.thread_cache_bytes = 0;
+  mapp::CachingPool locked(device, locked_options);
   c10::Allocator* torch_cpu = c10::GetDefaultCPUAllocator();
   std::printf("cache-hit alloc+free pair latency, ns (timer overhead %.1f ns subtracted)\n",
               overhead);
-  std::printf("%10s | %9s %9s | %9s %9s | %9s %9s | %12s %12s\n", "size", "ours p50",
-              "ours p99", "malloc p50", "p99", "torch p50", "p99", "malloc/ours", "torch/ours");
-  for (std::size_t size : {64ul, 4096ul, 65536ul, 1ul << 20, 16ul << 20}) {
+  std::printf("%8s | %8s %8s | %8s %8s | %8s %8s | %8s %8s | %11s %10s\n", "size", "ours p50",
+              "p99", "locked50", "p99", "malloc50", "p99", "torch p50", "p99", "malloc/ours",
+              "torch/ours");
+  const std::vector<std::size_t> sizes = {64ul, 4096ul, 65536ul, 1ul << 20, 16ul << 20};
+  for (std::size_t size : sizes) {
     volatile void* sink = nullptr;
-    const Pct ours = measure([&] {
-      void* p = pool.allocate(size);
-      sink = p;
-      pool.deallocate(p);
-    }, overhead);
+    auto pair_of = [&](mapp::CachingPool& p) {
+      return [&p, &sink, size] {
+        void* ptr = p.allocate(size);
+        sink = ptr;
+        p.deallocate(ptr);
+      };
+    };
+    const Pct ours = measure(pair_of(pool), overhead);
+    const Pct lk = measure(pair_of(locked), overhead);
     const Pct sys = measure([&] {
       void* p = std::malloc(size);
       sink = p;
@@ -72,12 +117,34 @@ int main() {
       sink = p.get();
     }, overhead);
     (void)sink;
-    const std::string label = size >= (1u << 20) ? std::to_string(size >> 20) + " MiB"
-                              : size >= 1024     ? std::to_string(size >> 10) + " KiB"
-                                                 : std::to_string(size) + " B";
-    std::printf("%10s | %9.1f %9.1f | %9.1f %9.1f | %9.1f %9.1f | %11.2fx %11.2fx\n",
-                label.c_str(), ours.p50, ours.p99, sys.p50, sys.p99, th.p50, th.p99,
-                sys.p50 / std::max(ours.p50, 1.0), th.p50 / std::max(ours.p50, 1.0));
+    std::printf("%8s | %8.1f %8.1f | %8.1f %8.1f | %8.1f %8.1f | %8.1f %8.1f | %10.2fx %9.2fx\n",
+                label_of(size).c_str(), ours.p50, ours.p99, lk.p50, lk.p99, sys.p50, sys.p99,
+                th.p50, th.p99, sys.p50 / std::max(ours.p50, 0.5),
+                th.p50 / std::max(ours.p50, 0.5));
+  }
+  std::printf("\ntwo threads at once, each its own alloc+free pairs: ns per pair (mean, slower "
+              "thread; no timer overhead)\n");
+  std::printf("%8s | %8s | %8s | %8s | %8s\n", "size", "ours", "locked", "malloc", "torch");
+  for (std::size_t size : {64ul, 65536ul, 1ul << 20}) {
+    auto pair_of = [size](mapp::CachingPool& p) {
+      return [&p, size] {
+        void* ptr = p.allocate(size);
+        asm volatile("" : : "r"(ptr) : "memory");
+        p.deallocate(ptr);
+      };
+    };
+    const double ours = concurrent_ns(pair_of(pool), 2);
+    const double lk = concurrent_ns(pair_of(locked), 2);
+    const double sys = concurrent_ns([size] {
+      void* p = std::malloc(size);
+      asm volatile("" : : "r"(p) : "memory");
+      std::free(p);
+    }, 2);
+    const double th = concurrent_ns([&] {
+      c10::DataPtr p = torch_cpu->allocate(size);
+      asm volatile("" : : "r"(p.get()) : "memory");
+    }, 2);
+    std::printf("%8s | %8.1f | %8.1f | %8.1f | %8.1f\n", label_of(size).c_str(), ours, lk, sys, th);
   }
   return 0;
 }

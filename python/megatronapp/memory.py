@@ -38,13 +38,24 @@ def _library_path() -> str:
 
 
 def use_pool(device: str = "cpu", *, policy: str = "ours", expandable_segments: bool = True,
-             gc_threshold: float = 0.0) -> None:
-    """Serves `device`'s tensor allocations from the pool (process-wide)."""
+             gc_threshold: float = 0.0, thread_cache_bytes: int | None = None) -> None:
+    """Serves `device`'s tensor allocations from the pool (process-wide).
+
+    thread_cache_bytes (CPU only): each thread's cache of freed blocks, which
+    serves same-size free+allocate pairs without the pool's lock (docs/memory.md,
+    "Thread cache"). None: 32 MiB for policy "ours", none for "torch-like"; 0: off.
+    """
     if not 0.0 <= gc_threshold <= 1.0:
         raise ValueError(f"gc_threshold must lie in [0, 1], got {gc_threshold}")
+    if thread_cache_bytes is not None and thread_cache_bytes < 0:
+        raise ValueError(f"thread_cache_bytes must be >= 0 (0 turns it off), got {thread_cache_bytes}")
     if device == "cpu":
-        _C.memory_install_cpu_pool(policy, expandable_segments, gc_threshold)
+        _C.memory_install_cpu_pool(policy, expandable_segments, gc_threshold,
+                                   -1 if thread_cache_bytes is None else thread_cache_bytes)
     elif device == "cuda":
+        if thread_cache_bytes:
+            raise ValueError("thread_cache_bytes applies to the CPU pool only; CUDA pools serve "
+                             "streams, which a per-thread cache does not track")
         if not _C.built_with_cuda():
             raise RuntimeError("megatronapp was built without CUDA; rebuild with the CUDA toolkit")
         _C.memory_configure_cuda(policy, expandable_segments, gc_threshold)

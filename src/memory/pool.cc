@@ -4,6 +4,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
+#include <utility>
 
 #include "mapp/memory/trace.h"
 #include "ptr_map.h"
@@ -35,18 +36,26 @@ enum class State : std::uint8_t { kFree, kAllocated, kPending, kUnmapped };
 
 struct Segment;
 
-struct Block {
+// 64-aligned, with the fields a thread cache's fast path reads first, so that
+// a free touches one cache line of its block (Note [Thread cache]).
+struct alignas(64) Block {
   std::uintptr_t addr = 0;
   std::size_t size = 0;
   std::size_t requested = 0;
+  // The PoolThreadCache that owns this allocated block (set and cleared under
+  // the mutex); whether it sits in that cache's bins and in which (written by
+  // the owning thread).
+  std::atomic<void*> owner{nullptr};
+  State state = State::kFree;
+  std::atomic<bool> cached{false};
+  std::int16_t cache_bin = -1;
+  int bin = -1;
+  std::vector<StreamId> uses;    // other streams (record_stream)
   Segment* seg = nullptr;
   Block* prev = nullptr;   // address neighbours in the segment
   Block* next = nullptr;
   Block* fprev = nullptr;  // links in a free bin
   Block* fnext = nullptr;
-  State state = State::kFree;
-  int bin = -1;
-  std::vector<StreamId> uses;    // other streams (record_stream)
   std::vector<EventId> events;   // pending: recorded at deallocate
 };
 
@@ -69,6 +78,19 @@ struct Segment {
   Block* last = nullptr;
 };
 
+// ---- thread caches (Note [Thread cache]) --------------------------------------
+constexpr int kCacheDepth = 4;  // cached blocks per bin and thread
+// PoolThreadCache::pending: work the owning thread does under the mutex at its
+// next operation, which the fast path leaves to the locked path.
+enum : std::uint8_t { kFlush = 1, kPeakReset = 2, kCacheOff = 4 };
+
+constexpr auto kRelaxed = std::memory_order_relaxed;
+
+// Single-writer counter update: a plain load and store, no RMW.
+[[gnu::always_inline]] inline void bump(std::atomic<std::uint64_t>& a, std::uint64_t delta) {
+  a.store(a.load(kRelaxed) + delta, kRelaxed);
+}
+
 std::string human_bytes(std::uint64_t b) {
   char buf[32];
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -81,6 +103,160 @@ std::string human_bytes(std::uint64_t b) {
   std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
   return buf;
 }
+
+}  // namespace
+
+// One thread's cache for one pool. Bins and `owned` are touched only by the
+// owning thread (under the pool's mutex when it is on the locked path); the
+// counters are that thread's share of the pool's statistics, read by stats().
+struct PoolThreadCache {
+  struct Entry {
+    std::size_t size;
+    std::uintptr_t addr;  // block->addr, one load less before pop() returns
+    Block* block;
+  };
+  struct Bin {
+    int n = 0;
+    Entry e[kCacheDepth];  // pushed in order; e[0] is evicted first
+  };
+
+  PoolThreadCache(CachingPool* p, std::size_t bytes)
+      : pool(p),
+        pool_id(p->id_),
+        limit(bytes),
+        max_block(bytes / 2 / CachingPool::kMinBlock * CachingPool::kMinBlock),
+        bins(static_cast<std::size_t>(bin_of(max_block)) + 1) {}
+
+  CachingPool* const pool;  // valid until `dead`
+  const std::uint64_t pool_id;
+  const std::size_t limit;      // cached bytes at most
+  const std::size_t max_block;  // larger blocks are never cached
+  std::vector<Bin> bins;
+  internal::PtrMap<Block> owned;  // stream-0 blocks this thread allocated or cached
+  // Shortcuts of the fast path:
+  //  * l0: the block freed last, kept outside the bins (cached like them): a
+  //    same-size free+allocate pair touches no bin;
+  //  * the bin of the size asked for last (skips bin_of);
+  //  * the block pop() handed out last (a free right after its allocation
+  //    skips the hash lookup; push() validates it like any other).
+  Entry l0{0, 0, nullptr};
+  std::size_t hot_size = 0;
+  Bin* hot_bin = nullptr;
+  std::uintptr_t hot_addr = 0;
+  Block* hot_block = nullptr;
+  std::int64_t others = 0;  // the rest of the pool's allocated bytes at the last locked op
+  std::atomic<std::uint8_t> pending{0};
+  std::atomic<bool> dead{false};  // the pool is gone (set under the retire mutex)
+  // This thread's share of the statistics; `allocated` is net and wraps (the
+  // pool sums modulo 2^64). Every fast allocation is a cache hit.
+  std::atomic<std::uint64_t> allocated{0}, allocs{0}, frees{0}, cached{0}, peak{0};
+
+  // Fast allocation: an exact-size cached block, or nullptr. The fast paths
+  // are bound by stores, so each store here is one the statistics or the
+  // checks need.
+  [[gnu::always_inline]] void* pop(std::size_t bytes) {
+    constexpr std::size_t kMin = CachingPool::kMinBlock;
+    const std::size_t size = bytes <= kMin ? kMin : (bytes + kMin - 1) & ~(kMin - 1);
+    Entry e = l0;
+    if (e.block != nullptr && e.size == size) {
+      l0.block = nullptr;
+    } else {
+      if (size != hot_size) {
+        hot_size = size;
+        hot_bin = &bins[bin_of(size)];
+      }
+      Bin& bin = *hot_bin;
+      int i = bin.n - 1;
+      while (i >= 0 && bin.e[i].size != size) --i;
+      if (i < 0) return nullptr;
+      e = bin.e[i];
+      if (i != --bin.n) bin.e[i] = bin.e[bin.n];  // order only steers eviction
+    }
+    Block* b = e.block;
+    b->requested = bytes;
+    b->cached.store(false, kRelaxed);
+    hot_addr = e.addr;
+    hot_block = b;
+    bump(allocated, bytes);
+    bump(allocs, 1);
+    bump(cached, -size);
+    const std::int64_t total = static_cast<std::int64_t>(allocated.load(kRelaxed)) + others;
+    if (total > static_cast<std::int64_t>(peak.load(kRelaxed))) {
+      peak.store(static_cast<std::uint64_t>(total), kRelaxed);
+    }
+    return reinterpret_cast<void*>(e.addr);
+  }
+
+  // Fast free: caches `ptr` if this thread owns its block and there is room.
+  // A block owned by a cache is allocated and used on its stream only (frees
+  // and record_stream clear the owner), so the owner, address and cached flag
+  // are all there is to check. The owner first: once it names this cache,
+  // nobody else writes the block; a stale map entry (a block another thread
+  // freed) fails there.
+  [[gnu::always_inline]] bool push(void* ptr) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+    Block* b = addr == hot_addr ? hot_block : owned.find(addr);
+    if (b == nullptr || b->owner.load(std::memory_order_acquire) != this || b->addr != addr ||
+        b->cached.load(kRelaxed)) {
+      return false;
+    }
+    const std::size_t size = b->size;
+    if (cached.load(kRelaxed) + size > limit) return false;
+    if (l0.block != nullptr) {  // the previous last-freed block moves to its bin
+      Bin& bin = bins[l0.block->cache_bin];
+      if (bin.n == kCacheDepth) return false;
+      bin.e[bin.n++] = l0;
+    }
+    l0 = Entry{size, addr, b};
+    bump(allocated, -b->requested);  // (a cached block's `requested` is stale)
+    bump(frees, 1);
+    bump(cached, size);
+    b->cached.store(true, kRelaxed);
+    return true;
+  }
+
+  // Under the mutex: records a stream-0 block this thread just allocated.
+  void own(Block* b) {
+    if (owned.full()) {  // drop entries of blocks other threads freed
+      owned.compact_or_grow([this](std::uintptr_t a, Block* x) {
+        return x->owner.load(kRelaxed) == this && x->addr == a;
+      });
+    }
+    owned.insert_or_assign(b->addr, b);
+    b->owner.store(this, kRelaxed);
+    b->cache_bin = static_cast<std::int16_t>(bin_of(b->size));
+    if (b->addr == hot_addr) hot_addr = 0;  // (push() would validate it anyway)
+  }
+
+  // Thread exit: gives the cache back to its pool, unless the pool is gone.
+  void retire() {
+    if (!dead.load(std::memory_order_acquire)) pool->retire(this);
+  }
+};
+
+namespace {
+
+// This thread's cache of the pool it used last: one compare on the fast path.
+// initial-exec: a fixed offset from the thread pointer, no __tls_get_addr.
+struct TlsSlot {
+  std::uint64_t pool_id;
+  PoolThreadCache* cache;
+  bool exiting;  // the thread's caches are gone; later operations take the lock
+};
+thread_local TlsSlot tls_slot __attribute__((tls_model("initial-exec"))) = {0, nullptr, false};
+
+std::mutex g_retire_mu;  // orders thread exit against pool destruction
+std::atomic<std::uint64_t> g_next_pool_id{1};
+
+struct TlsCaches {
+  std::vector<std::unique_ptr<PoolThreadCache>> all;
+  ~TlsCaches() {
+    tls_slot = {0, nullptr, true};
+    std::lock_guard<std::mutex> lock(g_retire_mu);
+    for (auto& c : all) c->retire();
+  }
+};
+thread_local TlsCaches tls_caches;
 
 }  // namespace
 
@@ -103,7 +279,8 @@ struct CachingPool::Impl {
   internal::PtrMap<Block> live;  // allocated and pending blocks by address
   std::vector<Block*> pending;
   std::vector<Block*> spare_blocks;
-  PoolStats st;
+  PoolStats st;  // the locked path's share; stats() adds the thread caches'
+  std::vector<PoolThreadCache*> caches;  // of live threads
   AllocTraceRecorder* recorder = nullptr;
   const char* grow_failure = "";  // why the last grow() returned nullptr
 
@@ -139,6 +316,8 @@ struct CachingPool::Impl {
     return b;
   }
   void recycle(Block* b) {
+    b->owner.store(nullptr, kRelaxed);
+    b->cached.store(false, kRelaxed);
     b->uses.clear();
     b->events.clear();
     b->prev = b->next = b->fprev = b->fnext = nullptr;
@@ -501,6 +680,84 @@ struct CachingPool::Impl {
     return hole;
   }
 
+  // ---- thread caches (Note [Thread cache]) -------------------------------------
+  // Returns one cached block of `c` to the pool.
+  void give_back(PoolThreadCache* c, Block* b) {
+    b->cached.store(false, kRelaxed);
+    b->owner.store(nullptr, kRelaxed);
+    c->owned.erase(b->addr);
+    bump(c->cached, -b->size);
+    live.erase(b->addr);
+    st.active_bytes -= b->size;
+    --st.num_live_blocks;
+    free_block(b);
+  }
+
+  void evict_oldest(PoolThreadCache* c, PoolThreadCache::Bin& bin) {
+    Block* b = bin.e[0].block;
+    for (int j = 1; j < bin.n; ++j) bin.e[j - 1] = bin.e[j];
+    --bin.n;
+    give_back(c, b);
+  }
+
+  void flush(PoolThreadCache* c) {
+    if (c->l0.block != nullptr) {
+      give_back(c, c->l0.block);
+      c->l0.block = nullptr;
+    }
+    for (PoolThreadCache::Bin& bin : c->bins) {
+      for (int i = 0; i < bin.n; ++i) give_back(c, bin.e[i].block);
+      bin.n = 0;
+    }
+  }
+
+  std::uint64_t allocated_total() const {
+    std::uint64_t total = st.allocated_bytes;
+    for (const PoolThreadCache* c : caches) total += c->allocated.load(kRelaxed);
+    return total;
+  }
+
+  // The owning thread, under the mutex: refreshes its view of the pool.
+  void sync(PoolThreadCache* c) {
+    c->others = static_cast<std::int64_t>(allocated_total() - c->allocated.load(kRelaxed));
+  }
+
+  // The owning thread, under the mutex: does what other threads asked for.
+  void service(PoolThreadCache* c) {
+    const std::uint8_t p = c->pending.load(kRelaxed);
+    if (p & kFlush) flush(c);
+    if (p & kPeakReset) c->peak.store(0, kRelaxed);
+    c->pending.store(p & kCacheOff, kRelaxed);
+    sync(c);
+  }
+
+  void request(std::uint8_t what, PoolThreadCache* self) {
+    for (PoolThreadCache* c : caches)
+      if (c != self) c->pending.store(c->pending.load(kRelaxed) | what, kRelaxed);
+  }
+
+  // release_cached() on behalf of the thread owning `self` (may be nullptr).
+  void release_all(PoolThreadCache* self) {
+    if (self) flush(self);
+    request(kFlush, self);
+    release_cached();
+  }
+
+  PoolStats merged() const {
+    PoolStats s = st;
+    s.allocated_bytes = allocated_total();
+    for (const PoolThreadCache* c : caches) {
+      s.num_allocs += c->allocs.load(kRelaxed);
+      s.num_frees += c->frees.load(kRelaxed);
+      s.num_cache_hits += c->allocs.load(kRelaxed);
+      s.thread_cached_bytes += c->cached.load(kRelaxed);
+      if (!(c->pending.load(kRelaxed) & kPeakReset)) {
+        s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, c->peak.load(kRelaxed));
+      }
+    }
+    return s;
+  }
+
   std::string oom_message(std::size_t bytes, StreamId stream) const {
     const DeviceInfo now = dev.query();
     std::ostringstream os;
@@ -508,14 +765,19 @@ struct CachingPool::Impl {
        << " on stream " << stream << ": " << grow_failure << " (" << dev.name() << " capacity "
        << human_bytes(now.total_bytes) << ", free " << human_bytes(now.free_bytes)
        << "; pool reserved " << human_bytes(st.reserved_bytes) << ", allocated "
-       << human_bytes(st.allocated_bytes) << " after releasing its cache). Reduce the batch "
+       << human_bytes(allocated_total()) << " after releasing its cache). Reduce the batch "
        << "or model size, or free tensors you no longer need";
     return os.str();
   }
 };
 
 CachingPool::CachingPool(DeviceBackend& device, PoolOptions options)
-    : options_(std::move(options)), impl_(new Impl(device, options_)) {
+    : options_(std::move(options)),
+      impl_(new Impl(device, options_)),
+      id_(g_next_pool_id.fetch_add(1)) {
+  MAPP_CHECK(options_.thread_cache_bytes == 0 || options_.thread_cache_bytes >= 2 * kMinBlock,
+             "thread_cache_bytes must be 0 (off) or at least ", 2 * kMinBlock, ", got ",
+             options_.thread_cache_bytes);
   MAPP_CHECK(options_.small_segment >= options_.small_size,
              "small_segment (", options_.small_segment, ") must hold a small_size (",
              options_.small_size, ") request");
@@ -530,11 +792,83 @@ CachingPool::CachingPool(DeviceBackend& device, PoolOptions options)
   }
 }
 
-CachingPool::~CachingPool() = default;
+CachingPool::~CachingPool() {
+  // Caches of threads still running outlive the pool in their thread's storage;
+  // they are marked dead and never touched again (ids are not reused).
+  std::lock_guard<std::mutex> retire(g_retire_mu);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (PoolThreadCache* c : impl_->caches) c->dead.store(true, std::memory_order_release);
+}
 
-void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
+PoolThreadCache* CachingPool::thread_cache(bool create) {
+  TlsSlot& slot = tls_slot;
+  if (slot.pool_id == id_) return slot.cache;
+  if (options_.thread_cache_bytes == 0 || slot.exiting) return nullptr;
+  auto& all = tls_caches.all;
+  all.erase(std::remove_if(all.begin(), all.end(),
+                           [](const auto& c) { return c->dead.load(std::memory_order_acquire); }),
+            all.end());
+  PoolThreadCache* found = nullptr;
+  for (const auto& c : all)
+    if (c->pool_id == id_) found = c.get();
+  if (found == nullptr && create) {
+    auto c = std::make_unique<PoolThreadCache>(this, options_.thread_cache_bytes);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (impl_->recorder) c->pending.store(kCacheOff, kRelaxed);
+      impl_->caches.push_back(c.get());
+      impl_->sync(c.get());
+    }
+    found = c.get();
+    all.push_back(std::move(c));
+  }
+  if (found != nullptr) slot = {id_, found, false};
+  return found;
+}
+
+void CachingPool::retire(PoolThreadCache* c) {
   std::lock_guard<std::mutex> lock(mu_);
   Impl& m = *impl_;
+  m.flush(c);
+  c->owned.for_each([c](std::uintptr_t, Block* b) {
+    if (b->owner.load(kRelaxed) == c) b->owner.store(nullptr, kRelaxed);
+  });
+  // Its share of the statistics moves to the locked path's.
+  const PoolStats before = m.merged();
+  m.st.allocated_bytes += c->allocated.load(kRelaxed);
+  m.st.num_allocs += c->allocs.load(kRelaxed);
+  m.st.num_frees += c->frees.load(kRelaxed);
+  m.st.num_cache_hits += c->allocs.load(kRelaxed);
+  m.st.peak_allocated_bytes = before.peak_allocated_bytes;
+  m.caches.erase(std::find(m.caches.begin(), m.caches.end(), c));
+}
+
+// The fast paths below are one TLS compare plus the cache's pop/push; all else
+// is out of line, so that the hit needs no stack frame.
+void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
+  const TlsSlot& slot = tls_slot;
+  if (slot.pool_id == id_ && stream == 0) {
+    PoolThreadCache* c = slot.cache;
+    if (c->pending.load(kRelaxed) == 0 && bytes <= c->max_block) {
+      if (void* p = c->pop(bytes)) return p;
+    }
+  }
+  return allocate_slow(bytes, stream);
+}
+
+void* CachingPool::allocate_slow(std::size_t bytes, StreamId stream) {
+  // Any stream: the locked path refreshes the cache's view of the pool.
+  PoolThreadCache* c = options_.thread_cache_bytes != 0 ? thread_cache(true) : nullptr;
+  if (c != nullptr && stream == 0 && c->pending.load(kRelaxed) == 0 && bytes <= c->max_block) {
+    if (void* p = c->pop(bytes)) return p;  // the cache was just created or looked up
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return allocate_locked(bytes, stream, c);
+}
+
+void* CachingPool::allocate_locked(std::size_t bytes, StreamId stream, PoolThreadCache* c) {
+  Impl& m = *impl_;
+  if (c != nullptr && c->pending.load(kRelaxed) != 0) m.service(c);
   const std::size_t size = std::max(round_up(bytes, kMinBlock), kMinBlock);
   MAPP_CHECK(size >= bytes, "allocation of ", bytes, " bytes overflows");
   if (!m.pending.empty()) m.process_pending();
@@ -547,12 +881,12 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
   } else {
     if (options_.gc_threshold > 0.0 &&
         m.st.reserved_bytes + size > options_.gc_threshold * m.info.total_bytes) {
-      m.release_cached();
+      m.release_all(c);
     }
     b = m.grow(ix, size);
     if (b == nullptr) {
       ++m.st.num_oom_retries;
-      m.release_cached();
+      m.release_all(c);
       b = m.grow(ix, size);
     }
     if (b == nullptr) {
@@ -566,28 +900,68 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
   b->state = State::kAllocated;
   b->requested = bytes;
   m.live.insert(b->addr, b);
+  if (c != nullptr && stream == 0 && b->size <= c->max_block) c->own(b);
   PoolStats& st = m.st;
   st.allocated_bytes += bytes;
-  st.peak_allocated_bytes = std::max(st.peak_allocated_bytes, st.allocated_bytes);
+  st.peak_allocated_bytes = std::max(st.peak_allocated_bytes, m.allocated_total());
   st.active_bytes += b->size;
   st.peak_active_bytes = std::max(st.peak_active_bytes, st.active_bytes);
   ++st.num_allocs;
   ++st.num_live_blocks;
+  if (c != nullptr) m.sync(c);
   void* p = reinterpret_cast<void*>(b->addr);
   if (m.recorder) m.recorder->on_alloc(p, bytes, stream);
   return p;
 }
 
 void CachingPool::deallocate(void* ptr) {
+  const TlsSlot& slot = tls_slot;
+  if (slot.pool_id == id_) {
+    PoolThreadCache* c = slot.cache;
+    if (c->pending.load(kRelaxed) == 0 && c->push(ptr)) return;
+  }
+  deallocate_slow(ptr);
+}
+
+void CachingPool::deallocate_slow(void* ptr) {
+  PoolThreadCache* c = nullptr;
+  if (options_.thread_cache_bytes != 0 && (c = thread_cache(false)) != nullptr &&
+      c->pending.load(kRelaxed) == 0 && c->push(ptr)) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  deallocate_locked(ptr, c);
+}
+
+void CachingPool::deallocate_locked(void* ptr, PoolThreadCache* c) {
   Impl& m = *impl_;
+  if (c != nullptr && c->pending.load(kRelaxed) != 0) m.service(c);
   Block* b = m.live.find(reinterpret_cast<std::uintptr_t>(ptr));
-  MAPP_CHECK(b != nullptr && b->state == State::kAllocated, "pointer ", ptr,
-             " was not allocated by pool '", options_.name, "' or was already freed");
+  MAPP_CHECK(b != nullptr && b->state == State::kAllocated && !b->cached.load(kRelaxed),
+             "pointer ", ptr, " was not allocated by pool '", options_.name,
+             "' or was already freed");
   if (m.recorder) m.recorder->on_free(ptr);
+  void* owner = b->owner.load(kRelaxed);
+  if (c != nullptr && owner == c && b->uses.empty() && c->pending.load(kRelaxed) == 0) {
+    // This thread's block, but its bin or the whole cache is full: make room.
+    if (c->l0.block != nullptr) {  // push() moves it to its bin: make room there
+      PoolThreadCache::Bin& bin = c->bins[c->l0.block->cache_bin];
+      if (bin.n == kCacheDepth) m.evict_oldest(c, bin);
+    }
+    if (c->cached.load(kRelaxed) + b->size > c->limit) m.flush(c);
+    const bool cached = c->push(ptr);
+    MAPP_CHECK_STATE(cached, "thread cache refused block ", ptr, " after making room");
+    m.sync(c);
+    return;
+  }
+  if (owner != nullptr) {
+    if (owner == c) c->owned.erase(b->addr);
+    b->owner.store(nullptr, kRelaxed);
+  }
   m.st.allocated_bytes -= b->requested;
   b->requested = 0;
   ++m.st.num_frees;
+  if (c != nullptr) m.sync(c);
   if (!b->uses.empty()) {
     for (StreamId s : b->uses) b->events.push_back(m.dev.record_event(s));
     b->uses.clear();
@@ -605,49 +979,70 @@ void CachingPool::record_stream(void* ptr, StreamId stream) {
   std::lock_guard<std::mutex> lock(mu_);
   Impl& m = *impl_;
   Block* b = m.live.find(reinterpret_cast<std::uintptr_t>(ptr));
-  MAPP_CHECK(b != nullptr && b->state == State::kAllocated, "record_stream: pointer ", ptr,
-             " is not a live allocation of pool '", options_.name, "'");
+  MAPP_CHECK(b != nullptr && b->state == State::kAllocated && !b->cached.load(kRelaxed),
+             "record_stream: pointer ", ptr, " is not a live allocation of pool '",
+             options_.name, "'");
   if (m.recorder) m.recorder->on_record_stream(ptr, stream);
   if (stream == b->seg->index->stream) return;
   if (std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
+  // Thread caches take only blocks used on their own stream: the owner's next
+  // free of it takes the locked path (its map entry goes stale).
+  b->owner.store(nullptr, kRelaxed);
 }
 
 void CachingPool::release_cached() {
+  PoolThreadCache* c = thread_cache(false);
   std::lock_guard<std::mutex> lock(mu_);
   if (impl_->recorder) impl_->recorder->on_release_cached();
-  impl_->release_cached();
+  impl_->release_all(c);
 }
 
 std::size_t CachingPool::block_size(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mu_);
   Block* b = impl_->live.find(reinterpret_cast<std::uintptr_t>(ptr));
-  MAPP_CHECK(b != nullptr, "pointer ", ptr, " is not a live allocation of this pool");
+  MAPP_CHECK(b != nullptr && !b->cached.load(kRelaxed), "pointer ", ptr,
+             " is not a live allocation of this pool");
   return b->size;
 }
 
 bool CachingPool::owns(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return impl_->live.find(reinterpret_cast<std::uintptr_t>(ptr)) != nullptr;
+  const Block* b = impl_->live.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return b != nullptr && !b->cached.load(kRelaxed);
 }
 
 PoolStats CachingPool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return impl_->st;
+  return impl_->merged();
 }
 
 void CachingPool::reset_peak_stats() {
+  PoolThreadCache* c = thread_cache(false);
   std::lock_guard<std::mutex> lock(mu_);
-  PoolStats& st = impl_->st;
-  st.peak_allocated_bytes = st.allocated_bytes;
+  Impl& m = *impl_;
+  PoolStats& st = m.st;
+  st.peak_allocated_bytes = m.allocated_total();
   st.peak_active_bytes = st.active_bytes;
   st.peak_reserved_bytes = st.reserved_bytes;
+  // Thread caches' peaks restart at their next operation (stats() ignores them
+  // until then); the caller's own at once.
+  m.request(kPeakReset, c);
+  if (c != nullptr) c->peak.store(0, kRelaxed);
 }
 
 void CachingPool::set_recorder(AllocTraceRecorder* recorder) {
+  PoolThreadCache* c = thread_cache(false);
   std::lock_guard<std::mutex> lock(mu_);
-  impl_->recorder = recorder;
+  Impl& m = *impl_;
+  m.recorder = recorder;
+  // A trace must see every operation: caches empty themselves and stay off.
+  for (PoolThreadCache* t : m.caches) {
+    const std::uint8_t p = t->pending.load(kRelaxed);
+    t->pending.store(recorder ? (p | kCacheOff | kFlush) : (p & ~kCacheOff), kRelaxed);
+  }
+  if (c != nullptr) m.service(c);
 }
 
 std::string CachingPool::summary() const {
@@ -669,6 +1064,10 @@ std::string CachingPool::summary() const {
      << ", device allocs " << s.num_device_allocs << ", device frees " << s.num_device_frees
      << ", OOM retries " << s.num_oom_retries << ", OOMs " << s.num_ooms << ", segments "
      << s.num_segments << ", live blocks " << s.num_live_blocks << "\n";
+  if (options_.thread_cache_bytes != 0) {
+    os << "  thread caches (" << human_bytes(options_.thread_cache_bytes) << " per thread) hold "
+       << human_bytes(s.thread_cached_bytes) << "\n";
+  }
   return os.str();
 }
 
@@ -687,6 +1086,7 @@ std::string CachingPool::stats_json() const {
      << ",\"num_device_frees\":" << s.num_device_frees
      << ",\"num_oom_retries\":" << s.num_oom_retries << ",\"num_ooms\":" << s.num_ooms
      << ",\"num_segments\":" << s.num_segments << ",\"num_live_blocks\":" << s.num_live_blocks
+     << ",\"thread_cached_bytes\":" << s.thread_cached_bytes
      << ",\"fragmentation\":" << s.fragmentation() << "}";
   return os.str();
 }
@@ -730,7 +1130,7 @@ bool CachingPool::is_valid(std::string* why) const {
       } else {
         ++live_blocks;
         active += b->size;
-        if (b->state == State::kAllocated) {
+        if (b->state == State::kAllocated && !b->cached.load(kRelaxed)) {
           allocated += b->requested;
           if (b->requested > b->size) return fail("block smaller than its request");
         }
@@ -754,7 +1154,45 @@ bool CachingPool::is_valid(std::string* why) const {
   }
   if (binned != free_blocks) return fail("bins hold blocks that are not in any segment");
   if (m.live.size() != live_blocks) return fail("address map size differs from live blocks");
-  const PoolStats& st = m.st;
+  std::uint64_t cached = 0;
+  for (const PoolThreadCache* c : m.caches) {
+    std::uint64_t in_cache = 0;
+    for (std::size_t bin = 0; bin < c->bins.size(); ++bin) {
+      const PoolThreadCache::Bin& cb = c->bins[bin];
+      if (cb.n < 0 || cb.n > kCacheDepth) return fail("thread cache bin count out of range");
+      for (int i = 0; i < cb.n; ++i) {
+        const PoolThreadCache::Entry& e = cb.e[i];
+        const Block* b = e.block;
+        if (m.live.find(e.addr) != b || b->addr != e.addr || b->size != e.size ||
+            bin_of(e.size) != static_cast<int>(bin) || b->cache_bin != static_cast<int>(bin)) {
+          return fail("thread cache entry does not match its block");
+        }
+        if (b->state != State::kAllocated || !b->cached.load(kRelaxed) || !b->uses.empty() ||
+            b->owner.load(kRelaxed) != c || c->owned.find(b->addr) != b) {
+          return fail("thread-cached block not allocated, owned and marked cached");
+        }
+        in_cache += e.size;
+      }
+    }
+    if (const Block* b = c->l0.block) {
+      if (m.live.find(c->l0.addr) != b || b->addr != c->l0.addr || b->size != c->l0.size ||
+          b->state != State::kAllocated || !b->cached.load(kRelaxed) ||
+          b->owner.load(kRelaxed) != c || c->owned.find(b->addr) != b) {
+        return fail("thread cache's last freed block not allocated, owned and marked cached");
+      }
+      in_cache += c->l0.size;
+    }
+    if (in_cache != c->cached.load(kRelaxed)) return fail("thread cache byte count wrong");
+    cached += in_cache;
+  }
+  for (const Segment* s : m.segments) {
+    for (const Block* b = s->first; b != nullptr; b = b->next) {
+      if (b->cached.load(kRelaxed) && b->owner.load(kRelaxed) == nullptr)
+        return fail("cached block without an owning cache");
+    }
+  }
+  const PoolStats st = m.merged();
+  if (st.thread_cached_bytes != cached) return fail("thread-cached bytes differ from the caches");
   if (st.allocated_bytes != allocated || st.active_bytes != active ||
       st.reserved_bytes != reserved || st.num_live_blocks != live_blocks ||
       st.num_segments != m.segments.size()) {

@@ -25,10 +25,23 @@ class PtrMap {
     }
   }
 
+  // `key` must not be present (see insert_or_assign).
   void insert(std::uintptr_t key, V* value) {
     if (2 * (size_ + 1) > slots_.size()) grow();
     place(key, value);
     ++size_;
+  }
+
+  void insert_or_assign(std::uintptr_t key, V* value) {
+    for (std::size_t i = hash(key);; i = (i + 1) & mask()) {
+      Slot& s = slots_[i];
+      if (s.key == key) {
+        s.value = value;
+        return;
+      }
+      if (s.key == 0) break;
+    }
+    insert(key, value);
   }
 
   bool erase(std::uintptr_t key) {
@@ -50,6 +63,26 @@ class PtrMap {
     slots_[hole] = Slot{};
     --size_;
     return true;
+  }
+
+  // True when the next insert of a new key would double the table.
+  bool full() const { return 2 * (size_ + 1) > slots_.size(); }
+
+  // Keeps only the entries for which keep(key, value) is true; doubles the
+  // table too when that leaves it over a quarter full (so that calling this
+  // whenever full() stays amortised O(1) per insert).
+  template <typename F>
+  void compact_or_grow(F&& keep) {
+    std::vector<Slot> old(slots_.size());
+    old.swap(slots_);
+    size_ = 0;
+    for (const Slot& s : old) {
+      if (s.key != 0 && keep(s.key, s.value)) {
+        place(s.key, s.value);
+        ++size_;
+      }
+    }
+    if (4 * size_ > slots_.size()) grow();
   }
 
   template <typename F>

@@ -88,17 +88,23 @@ void register_topology(py::module_& m) {
       .def("__repr__", &mapp::RankGrid::describe);
 }
 
-mapp::PoolOptions policy_options(const std::string& policy, bool expandable, double gc) {
+// thread_cache_bytes < 0: the policy's default (ours: PoolOptions::
+// kDefaultThreadCacheBytes, torch-like: none, as torch has none).
+mapp::PoolOptions policy_options(const std::string& policy, bool expandable, double gc,
+                                 long long thread_cache_bytes = 0) {
   mapp::PoolOptions o;
   if (policy == "torch-like") {
     o = mapp::PoolOptions::torch_like();
+    if (thread_cache_bytes < 0) thread_cache_bytes = 0;
   } else if (policy == "ours") {
     o.expandable_segments = expandable;
     o.name = expandable ? "ours" : "ours-plain";
+    if (thread_cache_bytes < 0) thread_cache_bytes = mapp::PoolOptions::kDefaultThreadCacheBytes;
   } else {
     throw mapp::ValueError("unknown pool policy '" + policy + "'; use 'ours' or 'torch-like'");
   }
   o.gc_threshold = gc;
+  o.thread_cache_bytes = static_cast<std::size_t>(thread_cache_bytes);
   return o;
 }
 
@@ -124,10 +130,11 @@ std::string replay_json(const std::string& path, const std::string& policy, bool
 
 void register_memory(py::module_& m) {
   py::register_exception<mapp::OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
-  m.def("memory_install_cpu_pool", [](const std::string& policy, bool expandable, double gc) {
-    mapp::torch_ext::install_cpu_pool(policy_options(policy, expandable, gc));
+  m.def("memory_install_cpu_pool", [](const std::string& policy, bool expandable, double gc,
+                                      long long thread_cache_bytes) {
+    mapp::torch_ext::install_cpu_pool(policy_options(policy, expandable, gc, thread_cache_bytes));
   }, py::arg("policy") = "ours", py::arg("expandable_segments") = true,
-     py::arg("gc_threshold") = 0.0);
+     py::arg("gc_threshold") = 0.0, py::arg("thread_cache_bytes") = -1);
   m.def("memory_restore_cpu_allocator", &mapp::torch_ext::restore_cpu_allocator);
   m.def("memory_cpu_pool_installed", [] { return mapp::torch_ext::cpu_pool() != nullptr; });
   auto pool = [] {

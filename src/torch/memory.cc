@@ -78,10 +78,12 @@ CachingPool& install_cpu_pool(const PoolOptions& options) {
   if (s.pool) {
     const PoolOptions& have = s.pool->options();
     MAPP_CHECK(have.expandable_segments == options.expandable_segments &&
-                   have.gc_threshold == options.gc_threshold,
+                   have.gc_threshold == options.gc_threshold &&
+                   have.thread_cache_bytes == options.thread_cache_bytes,
                "the CPU memory pool is already installed with different options "
                "(expandable_segments=", have.expandable_segments, ", gc_threshold=",
-               have.gc_threshold, "); it can be installed once per process");
+               have.gc_threshold, ", thread_cache_bytes=", have.thread_cache_bytes,
+               "); it can be installed once per process");
   } else {
     s.pool = std::make_unique<CachingPool>(s.device, options);
     g_pool.store(s.pool.get(), std::memory_order_release);

@@ -204,7 +204,7 @@ void fuzz(const PoolOptions& options, int ops, unsigned seed) {
     std::uint64_t tag;
   };
   std::map<std::uintptr_t, Live> live;  // shadow: address -> allocation
-  std::uint64_t shadow_bytes = 0, next_tag = 1;
+  std::uint64_t shadow_bytes = 0, shadow_peak = 0, next_tag = 1;
   auto overlaps = [&](std::uintptr_t a, std::size_t n) {
     auto it = live.upper_bound(a);
     if (it != live.end() && it->first < a + std::max<std::size_t>(n, 1)) return true;
@@ -243,6 +243,7 @@ void fuzz(const PoolOptions& options, int ops, unsigned seed) {
       }
       live[a] = {n, tag};
       shadow_bytes += n;
+      shadow_peak = std::max(shadow_peak, shadow_bytes);
       if (rng() % 10 == 0) pool.record_stream(p, rng() % 3);
     } else if (must_free || action < 97) {
       auto it = live.begin();
@@ -265,7 +266,9 @@ void fuzz(const PoolOptions& options, int ops, unsigned seed) {
     }
     std::string why;
     ASSERT_TRUE(pool.is_valid(&why)) << "op " << i << ": " << why;
-    ASSERT_EQ(pool.stats().allocated_bytes, shadow_bytes);
+    const PoolStats st = pool.stats();
+    ASSERT_EQ(st.allocated_bytes, shadow_bytes) << "op " << i;
+    ASSERT_EQ(st.peak_allocated_bytes, shadow_peak) << "op " << i;
   }
   for (auto& [a, l] : live) pool.deallocate(reinterpret_cast<void*>(a));
   dev.complete_events();
@@ -282,6 +285,18 @@ TEST(PoolFuzz, MillionOperationsExpandableSeparateSmallPool) {
   PoolOptions o = expandable();
   o.expandable_small_pool = true;
   fuzz(o, 1000000, 9);
+}
+// Note [Thread cache]: one thread, so the peak stays exact; blocks up to 4 MiB
+// are cached, the fuzz's sizes reach 32 MiB and three streams.
+TEST(PoolFuzz, MillionOperationsExpandableThreadCache) {
+  PoolOptions o = expandable();
+  o.thread_cache_bytes = 8 * kMiB;
+  fuzz(o, 1000000, 10);
+}
+TEST(PoolFuzz, QuarterMillionOperationsTorchLikeThreadCache) {
+  PoolOptions o = PoolOptions::torch_like();
+  o.thread_cache_bytes = 64 * 1024;
+  fuzz(o, 250000, 11);
 }
 
 // ---- traces -------------------------------------------------------------------

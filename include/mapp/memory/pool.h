@@ -41,6 +41,34 @@
 //  (pool, stream) — twice the capacity by default, since a long-lived block
 //  near the end keeps the extent from shrinking and growth must go past it.
 //
+// Note [Thread cache]
+//  Rationale: an uncontended mutex costs an atomic read-modify-write to take and
+//  another to give back; the same-size free+allocate pairs of a training step
+//  (torch's CPU tensors) should cost a few plain loads and stores, like glibc's
+//  tcache. Approach (thread_cache_bytes > 0): each thread keeps, per pool,
+//   * bins of blocks it freed: the pool's bins, exact sizes, kCacheDepth deep,
+//     at most thread_cache_bytes in all, blocks up to half of it;
+//   * a map of the stream-0 blocks it owns (allocated by it, or cached), so a
+//     free finds its block without the pool's address map.
+//  To the pool a cached block is an allocated block (requested 0) owned by that
+//  thread's cache: neighbours never merge into it and the invariants below hold.
+//  allocate() on stream 0 pops an exact-size block; deallocate() of a block this
+//  thread owns pushes it; neither takes the mutex nor an atomic RMW. Everything
+//  else takes the locked path: a miss, other streams, a block used on other
+//  streams, a block another thread allocated (its owner's map entry goes stale
+//  and is recognised by the block's owner field), a full bin (its oldest entry
+//  goes back to the pool) or a full cache (all of it goes back).
+//  Statistics: counters are kept per thread and summed by stats(): exact once
+//  every thread's operations happened before the call. A thread's fast
+//  allocation compares its own count plus the rest of the pool as of its last
+//  locked operation with its peak, so peak_allocated_bytes is exact when one
+//  thread allocates; with several it may miss by what the others did without
+//  the lock since (at most their cached bytes each).
+//  Limitations: release_cached() and the out-of-memory retry give back the
+//  calling thread's cache at once; other threads give theirs back at their next
+//  operation on the pool, and when they exit. Recording a trace turns the fast
+//  path off. Only stream 0: device pools leave it off (thread_cache_bytes 0).
+//
 // Invariants (checked by is_valid()):
 //  * Every segment's blocks tile [base, base + size) in address order,
 //    prev/next links agree, block addresses are kMinBlock-aligned.
@@ -49,9 +77,13 @@
 //    (pool, stream) index; bitmap bits equal "bin non-empty".
 //  * The address map holds exactly the allocated and event-pending blocks.
 //  * Statistics equal the sums recomputed from the blocks.
+//  * A thread cache's entries are allocated, cached blocks it owns, summing to
+//    its cached bytes. (Thread caches are read without their threads' help:
+//    call is_valid() when no other thread uses the pool.)
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -64,6 +96,7 @@
 namespace mapp {
 
 class AllocTraceRecorder;
+struct PoolThreadCache;  // pool.cc (Note [Thread cache])
 
 // Allocation failed after releasing cached memory. Derives from
 // std::runtime_error (Python: RuntimeError / torch.OutOfMemoryError at the edge).
@@ -84,6 +117,11 @@ struct PoolOptions {
   std::size_t va_bytes = 0;            // expandable reservation per (pool, stream); 0 = 2 x capacity
   bool expandable_small_pool = false;  // expandable: keep a separate small pool (Note 2)
   double gc_threshold = 0.0;           // (0, 1]: release cache before exceeding; 0 = off
+  // Per-thread cache of freed stream-0 blocks, bytes per thread (Note [Thread
+  // cache]); blocks up to half of it are cached. 0 = off.
+  std::size_t thread_cache_bytes = 0;
+  // What megatronapp.memory.use_pool("cpu") gives each thread by default.
+  static constexpr std::size_t kDefaultThreadCacheBytes = std::size_t(32) << 20;
   std::string name = "pool";
 
   // PyTorch CUDACachingAllocator's default policy, reproduced on our
@@ -107,6 +145,8 @@ struct PoolStats {
   std::uint64_t num_ooms = 0;
   std::uint64_t num_segments = 0;
   std::uint64_t num_live_blocks = 0;
+  std::uint64_t thread_cached_bytes = 0;   // freed blocks held by thread caches
+                                           // (part of active and reserved)
   // 1 - peak allocated / peak reserved (GMLake's definition, at peaks).
   double fragmentation() const {
     return peak_reserved_bytes == 0
@@ -155,10 +195,19 @@ class CachingPool {
   void set_recorder(AllocTraceRecorder* recorder);
 
  private:
+  friend struct PoolThreadCache;
   struct Impl;
+  PoolThreadCache* thread_cache(bool create);  // this thread's, or nullptr
+  [[gnu::noinline]] void* allocate_slow(std::size_t bytes, StreamId stream);
+  [[gnu::noinline]] void deallocate_slow(void* ptr);
+  void* allocate_locked(std::size_t bytes, StreamId stream, PoolThreadCache* cache);
+  void deallocate_locked(void* ptr, PoolThreadCache* cache);
+  void retire(PoolThreadCache* cache);  // the cache's thread exits
+
   PoolOptions options_;
   std::unique_ptr<Impl> impl_;
-  mutable std::mutex mu_;  // guards impl_; held only for O(1) bookkeeping
+  const std::uint64_t id_;  // never reused: names this pool in thread caches
+  mutable std::mutex mu_;   // guards impl_; held only for O(1) bookkeeping
 };
 
 }  // namespace mapp
