@@ -1,13 +1,15 @@
 """Memory-pool benchmarks, side by side in one run (make bench-memory).
 
-1. Cache-hit alloc+free latency: ours vs glibc malloc vs torch's default CPU
-   allocator (the C++ program build/py/benchmarks/pool_latency).
+1. Cache-hit alloc+free latency: ours (with the CPU pool's thread cache, and
+   locked) vs glibc malloc vs torch's default CPU allocator, one thread and two
+   at once (the C++ program build/py/benchmarks/pool_latency).
 2. Allocation traces recorded from real GPT training runs on 4 CPU ranks
    (with --memory-pool --record-alloc-trace), replayed through
    PyTorch's caching-allocator policy ("torch-like", reproduced on our
    machinery), our policy on plain segments, and ours with expandable
-   segments: peak reserved, utilization = peak allocated / peak reserved, and
-   time per operation.
+   segments — without a thread cache (as device pools run) and with the CPU
+   pool's 1 MiB one ("ours+tc"): peak reserved, utilization = peak allocated /
+   peak reserved, and time per operation.
 
     python benchmarks/memory_pool.py [--skip-record]
 
@@ -79,24 +81,28 @@ def main():
         for r, path in zip(KEEP[name], paths, strict=True):
             traces.append((name if r == 0 else f"{name}.r{r}", path))
     rows = []
+    tc = 1 << 20  # PoolOptions::kDefaultThreadCacheBytes, as use_pool("cpu") installs it
     for name, path in traces:
-        res = {label: mapp.memory.replay(path, pol, expandable_segments=exp)
-               for label, pol, exp in (("torch-like", "torch-like", False),
-                                       ("ours-plain", "ours", False), ("ours", "ours", True))}
+        res = {label: mapp.memory.replay(path, pol, expandable_segments=exp, thread_cache_bytes=t)
+               for label, pol, exp, t in (("torch-like", "torch-like", False, 0),
+                                          ("ours-plain", "ours", False, 0), ("ours", "ours", True, 0),
+                                          ("ours+tc", "ours", True, tc))}
         rows.append((name, res))
     print("\nreplay of GPT allocation traces (rank 0; .r3 = last pipeline stage), same requests "
           "through each policy")
     print(f"{'trace':<24} {'ops':>7} {'peak alloc':>11} | {'reserved: torch-like':>21} "
-          f"{'ours-plain':>11} {'ours':>9} | {'util: torch-like':>17} {'ours-plain':>11} "
-          f"{'ours':>7} | {'ns/op torch-like':>16} {'ours':>6}")
+          f"{'ours-plain':>11} {'ours':>9} {'ours+tc':>9} | {'util: torch-like':>17} "
+          f"{'ours-plain':>11} {'ours':>7} {'ours+tc':>8} | {'ns/op torch-like':>16} {'ours':>6} "
+          f"{'ours+tc':>8}")
     mib = 2 ** 20
     for name, res in rows:
-        t, o, e = res["torch-like"], res["ours-plain"], res["ours"]
+        t, o, e, c = res["torch-like"], res["ours-plain"], res["ours"], res["ours+tc"]
         print(f"{name:<24} {t['operations']:>7} {t['peak_allocated_bytes'] / mib:>9.1f}Mi | "
               f"{t['peak_reserved_bytes'] / mib:>19.1f}Mi {o['peak_reserved_bytes'] / mib:>9.1f}Mi "
-              f"{e['peak_reserved_bytes'] / mib:>7.1f}Mi | {100 * t['utilization']:>16.1f}% "
-              f"{100 * o['utilization']:>10.1f}% {100 * e['utilization']:>6.1f}% | "
-              f"{t['ns_per_op']:>16.0f} {e['ns_per_op']:>6.0f}")
+              f"{e['peak_reserved_bytes'] / mib:>7.1f}Mi {c['peak_reserved_bytes'] / mib:>7.1f}Mi | "
+              f"{100 * t['utilization']:>16.1f}% {100 * o['utilization']:>10.1f}% "
+              f"{100 * e['utilization']:>6.1f}% {100 * c['utilization']:>7.1f}% | "
+              f"{t['ns_per_op']:>16.0f} {e['ns_per_op']:>6.0f} {c['ns_per_op']:>8.0f}")
 
 
 if __name__ == "__main__":

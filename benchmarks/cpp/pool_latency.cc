@@ -79,7 +79,7 @@ int main() {
   const double overhead = measure([] {}, 0.0).p50;
   mapp::HostDevice device;
   // As megatronapp.memory.use_pool("cpu") installs it: expandable segments and
-  // a 32 MiB thread cache (Note [Thread cache]) ...
+  // its default thread cache (Note [Thread cache]) ...
   mapp::PoolOptions options;
   options.expandable_segments = true;
   options.va_bytes = std::size_t(64) << 30;

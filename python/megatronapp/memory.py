@@ -43,7 +43,7 @@ def use_pool(device: str = "cpu", *, policy: str = "ours", expandable_segments: 
 
     thread_cache_bytes (CPU only): each thread's cache of freed blocks, which
     serves same-size free+allocate pairs without the pool's lock (docs/memory.md,
-    "Thread cache"). None: 32 MiB for policy "ours", none for "torch-like"; 0: off.
+    "Thread cache"). None: 1 MiB for policy "ours", none for "torch-like"; 0: off.
     """
     if not 0.0 <= gc_threshold <= 1.0:
         raise ValueError(f"gc_threshold must lie in [0, 1], got {gc_threshold}")
@@ -141,10 +141,15 @@ def record_trace(path: str):
 
 
 def replay(path: str, policy: str = "ours", *, expandable_segments: bool = True,
-           capacity_bytes: int = 1 << 40) -> dict:
+           capacity_bytes: int = 1 << 40, thread_cache_bytes: int = 0) -> dict:
     """Replays a recorded trace through a fresh pool: peak reserved,
-    utilization, fragmentation and time per operation."""
-    return json.loads(_C.memory_replay(path, policy, expandable_segments, capacity_bytes))
+    utilization, fragmentation and time per operation. thread_cache_bytes > 0
+    replays with a thread cache of that size (stream-0 operations; the CPU pool's
+    setting), 0 without (device pools)."""
+    if thread_cache_bytes < 0:
+        raise ValueError(f"thread_cache_bytes must be >= 0 (0 turns it off), got {thread_cache_bytes}")
+    return json.loads(_C.memory_replay(path, policy, expandable_segments, capacity_bytes,
+                                       thread_cache_bytes))
 
 
 def main(argv=None) -> None:

@@ -125,17 +125,23 @@ struct PoolThreadCache {
         pool_id(p->id_),
         limit(bytes),
         max_block(bytes / 2 / CachingPool::kMinBlock * CachingPool::kMinBlock),
+        max_last(kLastFreedFactor * bytes),
         bins(static_cast<std::size_t>(bin_of(max_block)) + 1) {}
+
+  // The block freed last may be this many times thread_cache_bytes.
+  static constexpr std::size_t kLastFreedFactor = 16;
 
   CachingPool* const pool;  // valid until `dead`
   const std::uint64_t pool_id;
-  const std::size_t limit;      // cached bytes at most
-  const std::size_t max_block;  // larger blocks are never cached
+  const std::size_t limit;      // bytes in the bins at most
+  const std::size_t max_block;  // larger blocks never enter the bins
+  const std::size_t max_last;   // larger blocks are never cached (nor owned)
   std::vector<Bin> bins;
   internal::PtrMap<Block> owned;  // stream-0 blocks this thread allocated or cached
+  std::size_t binned = 0;  // bytes in the bins
   // Shortcuts of the fast path:
-  //  * l0: the block freed last, kept outside the bins (cached like them): a
-  //    same-size free+allocate pair touches no bin;
+  //  * l0: the block freed last, kept outside the bins and their budget (up to
+  //    max_last): a same-size free+allocate pair touches no bin;
   //  * the bin of the size asked for last (skips bin_of);
   //  * the block pop() handed out last (a free right after its allocation
   //    skips the hash lookup; push() validates it like any other).
@@ -161,6 +167,7 @@ struct PoolThreadCache {
     if (e.block != nullptr && e.size == size) {
       l0.block = nullptr;
     } else {
+      if (size > max_block) return nullptr;
       if (size != hot_size) {
         hot_size = size;
         hot_bin = &bins[bin_of(size)];
@@ -171,6 +178,7 @@ struct PoolThreadCache {
       if (i < 0) return nullptr;
       e = bin.e[i];
       if (i != --bin.n) bin.e[i] = bin.e[bin.n];  // order only steers eviction
+      binned -= size;
     }
     Block* b = e.block;
     b->requested = bytes;
@@ -201,11 +209,13 @@ struct PoolThreadCache {
       return false;
     }
     const std::size_t size = b->size;
-    if (cached.load(kRelaxed) + size > limit) return false;
     if (l0.block != nullptr) {  // the previous last-freed block moves to its bin
+      const std::size_t old = l0.size;
+      if (old > max_block || binned + old > limit) return false;
       Bin& bin = bins[l0.block->cache_bin];
       if (bin.n == kCacheDepth) return false;
       bin.e[bin.n++] = l0;
+      binned += old;
     }
     l0 = Entry{size, addr, b};
     bump(allocated, -b->requested);  // (a cached block's `requested` is stale)
@@ -224,7 +234,7 @@ struct PoolThreadCache {
     }
     owned.insert_or_assign(b->addr, b);
     b->owner.store(this, kRelaxed);
-    b->cache_bin = static_cast<std::int16_t>(bin_of(b->size));
+    b->cache_bin = static_cast<std::int16_t>(b->size <= max_block ? bin_of(b->size) : -1);
     if (b->addr == hot_addr) hot_addr = 0;  // (push() would validate it anyway)
   }
 
@@ -693,22 +703,18 @@ struct CachingPool::Impl {
     free_block(b);
   }
 
-  void evict_oldest(PoolThreadCache* c, PoolThreadCache::Bin& bin) {
-    Block* b = bin.e[0].block;
-    for (int j = 1; j < bin.n; ++j) bin.e[j - 1] = bin.e[j];
-    --bin.n;
-    give_back(c, b);
+  void give_back_last(PoolThreadCache* c) {
+    give_back(c, c->l0.block);
+    c->l0.block = nullptr;
   }
 
   void flush(PoolThreadCache* c) {
-    if (c->l0.block != nullptr) {
-      give_back(c, c->l0.block);
-      c->l0.block = nullptr;
-    }
+    if (c->l0.block != nullptr) give_back_last(c);
     for (PoolThreadCache::Bin& bin : c->bins) {
       for (int i = 0; i < bin.n; ++i) give_back(c, bin.e[i].block);
       bin.n = 0;
     }
+    c->binned = 0;
   }
 
   std::uint64_t allocated_total() const {
@@ -734,6 +740,12 @@ struct CachingPool::Impl {
   void request(std::uint8_t what, PoolThreadCache* self) {
     for (PoolThreadCache* c : caches)
       if (c != self) c->pending.store(c->pending.load(kRelaxed) | what, kRelaxed);
+  }
+
+  bool caches_hold_memory() const {
+    for (const PoolThreadCache* c : caches)
+      if (c->cached.load(kRelaxed) != 0) return true;
+    return false;
   }
 
   // release_cached() on behalf of the thread owning `self` (may be nullptr).
@@ -849,7 +861,7 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
   const TlsSlot& slot = tls_slot;
   if (slot.pool_id == id_ && stream == 0) {
     PoolThreadCache* c = slot.cache;
-    if (c->pending.load(kRelaxed) == 0 && bytes <= c->max_block) {
+    if (c->pending.load(kRelaxed) == 0 && bytes <= c->max_last) {
       if (void* p = c->pop(bytes)) return p;
     }
   }
@@ -859,7 +871,7 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
 void* CachingPool::allocate_slow(std::size_t bytes, StreamId stream) {
   // Any stream: the locked path refreshes the cache's view of the pool.
   PoolThreadCache* c = options_.thread_cache_bytes != 0 ? thread_cache(true) : nullptr;
-  if (c != nullptr && stream == 0 && c->pending.load(kRelaxed) == 0 && bytes <= c->max_block) {
+  if (c != nullptr && stream == 0 && c->pending.load(kRelaxed) == 0 && bytes <= c->max_last) {
     if (void* p = c->pop(bytes)) return p;  // the cache was just created or looked up
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -876,6 +888,13 @@ void* CachingPool::allocate_locked(std::size_t bytes, StreamId stream, PoolThrea
   const Kind kind = split_pools && size <= options_.small_size ? Kind::kSmall : Kind::kLarge;
   FreeIndex& ix = m.index_for(kind, stream);
   Block* b = Impl::find_fit(ix, size);
+  if (b == nullptr && m.caches_hold_memory()) {
+    // Thread caches never make the pool grow: cached blocks go back first
+    // (this thread's now, the others' at their next operation).
+    if (c != nullptr) m.flush(c);
+    m.request(kFlush, c);
+    b = Impl::find_fit(ix, size);
+  }
   if (b != nullptr) {
     ++m.st.num_cache_hits;
   } else {
@@ -900,7 +919,7 @@ void* CachingPool::allocate_locked(std::size_t bytes, StreamId stream, PoolThrea
   b->state = State::kAllocated;
   b->requested = bytes;
   m.live.insert(b->addr, b);
-  if (c != nullptr && stream == 0 && b->size <= c->max_block) c->own(b);
+  if (c != nullptr && stream == 0 && b->size <= c->max_last) c->own(b);
   PoolStats& st = m.st;
   st.allocated_bytes += bytes;
   st.peak_allocated_bytes = std::max(st.peak_allocated_bytes, m.allocated_total());
@@ -943,12 +962,9 @@ void CachingPool::deallocate_locked(void* ptr, PoolThreadCache* c) {
   if (m.recorder) m.recorder->on_free(ptr);
   void* owner = b->owner.load(kRelaxed);
   if (c != nullptr && owner == c && b->uses.empty() && c->pending.load(kRelaxed) == 0) {
-    // This thread's block, but its bin or the whole cache is full: make room.
-    if (c->l0.block != nullptr) {  // push() moves it to its bin: make room there
-      PoolThreadCache::Bin& bin = c->bins[c->l0.block->cache_bin];
-      if (bin.n == kCacheDepth) m.evict_oldest(c, bin);
-    }
-    if (c->cached.load(kRelaxed) + b->size > c->limit) m.flush(c);
+    // This thread's block, but the block freed before it fits no bin (too
+    // large, bin full, budget spent): that one goes back to the pool instead.
+    if (c->l0.block != nullptr) m.give_back_last(c);
     const bool cached = c->push(ptr);
     MAPP_CHECK_STATE(cached, "thread cache refused block ", ptr, " after making room");
     m.sync(c);
@@ -1174,6 +1190,11 @@ bool CachingPool::is_valid(std::string* why) const {
         in_cache += e.size;
       }
     }
+    std::uint64_t binned = in_cache;
+    for (const PoolThreadCache::Bin& cb : c->bins)
+      for (int i = 0; i < cb.n; ++i)
+        if (cb.e[i].size > c->max_block) return fail("thread cache bin holds a block over max_block");
+    if (binned != c->binned || binned > c->limit) return fail("thread cache bin bytes wrong or over budget");
     if (const Block* b = c->l0.block) {
       if (m.live.find(c->l0.addr) != b || b->addr != c->l0.addr || b->size != c->l0.size ||
           b->state != State::kAllocated || !b->cached.load(kRelaxed) ||

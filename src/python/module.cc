@@ -109,8 +109,9 @@ mapp::PoolOptions policy_options(const std::string& policy, bool expandable, dou
 }
 
 std::string replay_json(const std::string& path, const std::string& policy, bool expandable,
-                        std::size_t capacity_bytes) {
-  mapp::PoolOptions o = policy_options(policy, expandable, 0.0);  // bad policy: fail first
+                        std::size_t capacity_bytes, std::size_t thread_cache_bytes) {
+  mapp::PoolOptions o = policy_options(policy, expandable, 0.0,  // bad policy: fail first
+                                       static_cast<long long>(thread_cache_bytes));
   const mapp::AllocTrace trace = mapp::AllocTrace::load(path);
   mapp::HostDevice::Options d;
   d.capacity_bytes = capacity_bytes;
@@ -167,7 +168,7 @@ void register_memory(py::module_& m) {
   m.def("memory_stop_cpu_trace", &mapp::torch_ext::stop_cpu_trace, py::arg("path"));
   m.def("memory_replay", &replay_json, py::arg("path"), py::arg("policy") = "ours",
         py::arg("expandable_segments") = true, py::arg("capacity_bytes") = std::size_t(1) << 40,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("thread_cache_bytes") = 0, py::call_guard<py::gil_scoped_release>());
 #ifdef MAPP_WITH_CUDA_KERNELS
   m.def("memory_configure_cuda", [](const std::string& policy, bool expandable, double gc) {
     mapp::PoolOptions o = policy_options(policy, expandable, gc);

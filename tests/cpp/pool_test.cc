@@ -286,11 +286,12 @@ TEST(PoolFuzz, MillionOperationsExpandableSeparateSmallPool) {
   o.expandable_small_pool = true;
   fuzz(o, 1000000, 9);
 }
-// Note [Thread cache]: one thread, so the peak stays exact; blocks up to 4 MiB
-// are cached, the fuzz's sizes reach 32 MiB and three streams.
+// Note [Thread cache]: one thread, so the peak stays exact. The CPU pool's
+// default cache: bins take blocks up to 512 KiB, the last freed one up to
+// 16 MiB; the fuzz's sizes reach 32 MiB, on three streams.
 TEST(PoolFuzz, MillionOperationsExpandableThreadCache) {
   PoolOptions o = expandable();
-  o.thread_cache_bytes = 8 * kMiB;
+  o.thread_cache_bytes = PoolOptions::kDefaultThreadCacheBytes;
   fuzz(o, 1000000, 10);
 }
 TEST(PoolFuzz, QuarterMillionOperationsTorchLikeThreadCache) {

@@ -116,31 +116,63 @@ TEST(ThreadCache, SameSizeFreeAndAllocateReuseTheCachedBlock) {
   expect_valid(pool);
 }
 
-TEST(ThreadCache, FullBinsEvictTheOldestAndAFullCacheEmpties) {
+TEST(ThreadCache, LastFreedBlockAndBoundedBins) {
   HostDevice dev;
-  CachingPool pool(dev, cached(16 * kKiB));  // blocks up to 8 KiB, 16 KiB in all
+  // Bins: 16 KiB in all, blocks up to 8 KiB, 4 per size; the block freed last
+  // up to 16 x 16 KiB.
+  CachingPool pool(dev, cached(16 * kKiB));
   std::vector<void*> ptrs;
   for (int i = 0; i < 6; ++i) ptrs.push_back(pool.allocate(kKiB));
   for (void* p : ptrs) pool.deallocate(p);
-  // The block freed last, plus 4 per bin: the oldest went back to the pool.
+  // p5 is the last freed; p0..p3 fill the 1 KiB bin; p4 (freed last before
+  // p5, but its bin was full) went back to the pool.
   EXPECT_EQ(pool.stats().thread_cached_bytes, 5 * kKiB);
   expect_valid(pool);
-  // Newest first (LIFO).
-  for (int i = 5; i >= 1; --i) EXPECT_EQ(pool.allocate(kKiB), ptrs[i]);
-  for (int i = 1; i < 6; ++i) pool.deallocate(ptrs[i]);
-
-  void* big = pool.allocate(8 * kKiB);
-  void* big2 = pool.allocate(8 * kKiB);
-  void* over = pool.allocate(8 * kKiB + 1);  // over half the cache: never cached
-  pool.deallocate(over);
+  for (int i : {5, 3, 2, 1, 0}) EXPECT_EQ(pool.allocate(kKiB), ptrs[i]);  // newest first
+  EXPECT_EQ(pool.stats().thread_cached_bytes, 0u);
+  for (int i : {5, 3, 2, 1, 0}) pool.deallocate(ptrs[i]);
   EXPECT_EQ(pool.stats().thread_cached_bytes, 5 * kKiB);
-  pool.deallocate(big);  // a full 1 KiB bin gives its oldest back: 4 + 8 KiB
-  EXPECT_EQ(pool.stats().thread_cached_bytes, 12 * kKiB);
-  pool.deallocate(big2);  // 20 KiB > 16: everything else goes back first
-  EXPECT_EQ(pool.stats().thread_cached_bytes, 8 * kKiB);
+
+  void* big = pool.allocate(64 * kKiB);  // too large for the bins, not as the last freed
+  pool.deallocate(big);  // p0 cannot move to its full bin: it goes back instead
+  EXPECT_EQ(pool.stats().thread_cached_bytes, 4 * kKiB + 64 * kKiB);
+  void* huge = pool.allocate(512 * kKiB);  // over 16 x 16 KiB: never cached
+  pool.deallocate(huge);
+  EXPECT_EQ(pool.stats().thread_cached_bytes, 4 * kKiB + 64 * kKiB);
+  EXPECT_EQ(pool.allocate(64 * kKiB), big);  // the last freed block, same size
+  pool.deallocate(big);
+  expect_valid(pool);
+
+  std::vector<void*> x;
+  for (int i = 0; i < 3; ++i) x.push_back(pool.allocate(8 * kKiB));
+  pool.deallocate(x[0]);  // `big` fits no bin: back to the pool
+  pool.deallocate(x[1]);  // x0 to its bin: 4 + 8 KiB binned
+  pool.deallocate(x[2]);  // x1 would make 20 KiB > 16 binned: back to the pool
+  EXPECT_EQ(pool.stats().thread_cached_bytes, 12 * kKiB + 8 * kKiB);
   expect_valid(pool);
   pool.release_cached();
+  EXPECT_EQ(pool.stats().thread_cached_bytes, 0u);
   EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+}
+
+TEST(ThreadCache, CachedBlocksGoBackBeforeThePoolGrows) {
+  HostDevice dev;
+  CachingPool pool(dev, cached());
+  void* a = pool.allocate(kMiB);
+  void* b = pool.allocate(kMiB);
+  pool.deallocate(a);
+  pool.deallocate(b);  // both cached; together they are the whole 2 MiB mapped
+  PoolStats s = pool.stats();
+  EXPECT_EQ(s.thread_cached_bytes, 2 * kMiB);
+  const std::uint64_t reserved = s.reserved_bytes, device_allocs = s.num_device_allocs;
+  void* c = pool.allocate(2 * kMiB);  // fits only once a and b merge
+  s = pool.stats();
+  EXPECT_EQ(s.reserved_bytes, reserved);
+  EXPECT_EQ(s.num_device_allocs, device_allocs);
+  EXPECT_EQ(s.thread_cached_bytes, 0u);
+  EXPECT_EQ(c, a);
+  pool.deallocate(c);
+  expect_valid(pool);
 }
 
 TEST(ThreadCache, OtherStreamsAndCrossStreamUseTakeTheLockedPath) {

@@ -28,13 +28,20 @@ def test_gpt_losses_are_bit_identical_with_the_pool(tmp_path):
     tp2 = ["--tensor-model-parallel-size", "2"]
     plain = run_ranks(_train, 2, tp2, str(tmp_path / "plain"))
     trace = str(tmp_path / "trace.bin")
+    # Recording turns the thread cache off (every operation must reach the
+    # trace); the second pooled run trains with it on.
     pooled = run_ranks(_train, 2, tp2 + ["--memory-pool", "--record-alloc-trace", trace],
                        str(tmp_path / "pool"))
-    for a, b in zip(plain, pooled, strict=True):
-        assert a["losses"] == b["losses"]  # exact: the allocator must not change numerics
-    mem = pooled[0]["memory"]
-    assert mem["num_allocs"] > 1000 and mem["num_cache_hits"] > 0.9 * mem["num_allocs"]
-    assert 0.0 <= mem["fragmentation"] < 0.5
+    cached = run_ranks(_train, 2, tp2 + ["--memory-pool"], str(tmp_path / "cached"))
+    for a, b, c in zip(plain, pooled, cached, strict=True):
+        assert a["losses"] == b["losses"] == c["losses"]  # exact: numerics are the allocator's no business
+    for mem in (pooled[0]["memory"], cached[0]["memory"]):
+        assert mem["num_allocs"] > 1000 and mem["num_cache_hits"] > 0.9 * mem["num_allocs"]
+        assert 0.0 <= mem["fragmentation"] < 0.5
+        assert mem["allocated_bytes"] <= mem["active_bytes"] <= mem["reserved_bytes"]
+    # Blocks held by thread caches: per thread that allocated, at most 1 MiB in
+    # the bins plus the block freed last (<= 16 MiB).
+    assert 0 < cached[0]["memory"]["thread_cached_bytes"] <= 8 * 17 * (1 << 20)
     # The recorded traces replay deterministically and through both policies.
     import megatronapp as mapp
 
@@ -85,6 +92,15 @@ def test_pool_statistics_track_torch_allocations():
     assert res["after"]["num_allocs"] >= res["before"]["num_allocs"] + 2
     assert res["after"]["peak_allocated_bytes"] >= 2 * 4 * (1 << 20)
     assert res["released"]["reserved_bytes"] <= res["after"]["reserved_bytes"]
+
+
+def test_thread_cache_arguments_are_checked():
+    import megatronapp as mapp
+
+    with pytest.raises(ValueError, match="thread_cache_bytes must be >= 0"):
+        mapp.memory.use_pool("cpu", thread_cache_bytes=-1)
+    with pytest.raises(ValueError, match="CPU pool only"):
+        mapp.memory.use_pool("cuda", thread_cache_bytes=1 << 20)
 
 
 def test_staging_buffers_come_from_their_own_pool():

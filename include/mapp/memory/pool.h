@@ -121,7 +121,7 @@ struct PoolOptions {
   // cache]); blocks up to half of it are cached. 0 = off.
   std::size_t thread_cache_bytes = 0;
   // What megatronapp.memory.use_pool("cpu") gives each thread by default.
-  static constexpr std::size_t kDefaultThreadCacheBytes = std::size_t(32) << 20;
+  static constexpr std::size_t kDefaultThreadCacheBytes = std::size_t(1) << 20;
   std::string name = "pool";
 
   // PyTorch CUDACachingAllocator's default policy, reproduced on our
