@@ -46,28 +46,34 @@
 //  another to give back; the same-size free+allocate pairs of a training step
 //  (torch's CPU tensors) should cost a few plain loads and stores, like glibc's
 //  tcache. Approach (thread_cache_bytes > 0): each thread keeps, per pool,
-//   * bins of blocks it freed: the pool's bins, exact sizes, kCacheDepth deep,
-//     at most thread_cache_bytes in all, blocks up to half of it;
+//   * the block it freed last ("l0"), up to 16 x thread_cache_bytes;
+//   * bins of blocks it freed before: the pool's bins, exact sizes, 4 deep,
+//     blocks up to thread_cache_bytes / 2, thread_cache_bytes in all;
 //   * a map of the stream-0 blocks it owns (allocated by it, or cached), so a
 //     free finds its block without the pool's address map.
-//  To the pool a cached block is an allocated block (requested 0) owned by that
-//  thread's cache: neighbours never merge into it and the invariants below hold.
-//  allocate() on stream 0 pops an exact-size block; deallocate() of a block this
-//  thread owns pushes it; neither takes the mutex nor an atomic RMW. Everything
-//  else takes the locked path: a miss, other streams, a block used on other
-//  streams, a block another thread allocated (its owner's map entry goes stale
-//  and is recognised by the block's owner field), a full bin (its oldest entry
-//  goes back to the pool) or a full cache (all of it goes back).
-//  Statistics: counters are kept per thread and summed by stats(): exact once
+//  To the pool a cached block is an allocated block owned by that thread's
+//  cache: neighbours never merge into it and the invariants below hold.
+//  allocate() on stream 0 takes l0 if it has the size, else an exact-size block
+//  of the bins; deallocate() of a block this thread owns makes it l0 and moves
+//  the previous l0 to its bin. Neither takes the mutex nor an atomic RMW (a
+//  pair is ~6 ns; benchmarks/RESULTS.md). The locked path handles the rest: a
+//  miss, other streams, blocks used on other streams (record_stream ends the
+//  ownership), blocks another thread allocated (their owner's map entry goes
+//  stale and is recognised by the block's owner field), and a previous l0 that
+//  fits no bin (too large, bin full, budget spent), which goes back to the pool.
+//  Fragmentation: cached blocks never make the pool grow. When nothing fits,
+//  the calling thread's cache goes back to the pool (the other threads' at
+//  their next operation) before the pool maps more memory.
+//  Statistics: counters are kept per thread and summed by stats(), exact once
 //  every thread's operations happened before the call. A thread's fast
 //  allocation compares its own count plus the rest of the pool as of its last
 //  locked operation with its peak, so peak_allocated_bytes is exact when one
 //  thread allocates; with several it may miss by what the others did without
-//  the lock since (at most their cached bytes each).
+//  the lock since (at most what their caches hold).
 //  Limitations: release_cached() and the out-of-memory retry give back the
 //  calling thread's cache at once; other threads give theirs back at their next
 //  operation on the pool, and when they exit. Recording a trace turns the fast
-//  path off. Only stream 0: device pools leave it off (thread_cache_bytes 0).
+//  path off. Stream 0 only: device pools leave it off (thread_cache_bytes 0).
 //
 // Invariants (checked by is_valid()):
 //  * Every segment's blocks tile [base, base + size) in address order,
@@ -117,8 +123,9 @@ struct PoolOptions {
   std::size_t va_bytes = 0;            // expandable reservation per (pool, stream); 0 = 2 x capacity
   bool expandable_small_pool = false;  // expandable: keep a separate small pool (Note 2)
   double gc_threshold = 0.0;           // (0, 1]: release cache before exceeding; 0 = off
-  // Per-thread cache of freed stream-0 blocks, bytes per thread (Note [Thread
-  // cache]); blocks up to half of it are cached. 0 = off.
+  // Per-thread cache of freed stream-0 blocks (Note [Thread cache]): bytes in
+  // its bins per thread (blocks up to half of it), plus the block freed last if
+  // at most 16 times this. 0 = off.
   std::size_t thread_cache_bytes = 0;
   // What megatronapp.memory.use_pool("cpu") gives each thread by default.
   static constexpr std::size_t kDefaultThreadCacheBytes = std::size_t(1) << 20;
