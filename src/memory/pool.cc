@@ -1180,7 +1180,8 @@ bool CachingPool::is_valid(std::string* why) const {
         const PoolThreadCache::Entry& e = cb.e[i];
         const Block* b = e.block;
         if (m.live.find(e.addr) != b || b->addr != e.addr || b->size != e.size ||
-            bin_of(e.size) != static_cast<int>(bin) || b->cache_bin != static_cast<int>(bin)) {
+            bin_of(e.size) != static_cast<int>(bin) || b->cache_bin != static_cast<int>(bin) ||
+            e.size > c->max_block) {
           return fail("thread cache entry does not match its block");
         }
         if (b->state != State::kAllocated || !b->cached.load(kRelaxed) || !b->uses.empty() ||
@@ -1190,11 +1191,9 @@ bool CachingPool::is_valid(std::string* why) const {
         in_cache += e.size;
       }
     }
-    std::uint64_t binned = in_cache;
-    for (const PoolThreadCache::Bin& cb : c->bins)
-      for (int i = 0; i < cb.n; ++i)
-        if (cb.e[i].size > c->max_block) return fail("thread cache bin holds a block over max_block");
-    if (binned != c->binned || binned > c->limit) return fail("thread cache bin bytes wrong or over budget");
+    if (in_cache != c->binned || in_cache > c->limit) {
+      return fail("thread cache bin bytes wrong or over budget");
+    }
     if (const Block* b = c->l0.block) {
       if (m.live.find(c->l0.addr) != b || b->addr != c->l0.addr || b->size != c->l0.size ||
           b->state != State::kAllocated || !b->cached.load(kRelaxed) ||
@@ -1206,10 +1205,19 @@ bool CachingPool::is_valid(std::string* why) const {
     if (in_cache != c->cached.load(kRelaxed)) return fail("thread cache byte count wrong");
     cached += in_cache;
   }
+  // What the fast path relies on: an owned block is allocated, used on its
+  // stream only, and in its owner's map.
   for (const Segment* s : m.segments) {
     for (const Block* b = s->first; b != nullptr; b = b->next) {
-      if (b->cached.load(kRelaxed) && b->owner.load(kRelaxed) == nullptr)
-        return fail("cached block without an owning cache");
+      const auto* owner = static_cast<const PoolThreadCache*>(b->owner.load(kRelaxed));
+      if (owner == nullptr) {
+        if (b->cached.load(kRelaxed)) return fail("cached block without an owning cache");
+        continue;
+      }
+      if (std::find(m.caches.begin(), m.caches.end(), owner) == m.caches.end())
+        return fail("block owned by a cache the pool does not know");
+      if (b->state != State::kAllocated || !b->uses.empty() || owner->owned.find(b->addr) != b)
+        return fail("owned block not allocated, used on other streams, or missing from its map");
     }
   }
   const PoolStats st = m.merged();

@@ -8,7 +8,7 @@
 //     small slivers. With expandable segments both share the one segment of
 //     their stream (unless expandable_small_pool): any free neighbours merge
 //     there anyway, and one growing tail instead of two wastes less — measured
-//     on the 12 recorded GPT traces, peak fragmentation 1.2-6.9% shared against
+//     on the 12 recorded GPT traces, peak fragmentation 0.1-6.1% shared against
 //     2.4-11.7% split (benchmarks/RESULTS.md).
 //  3. Free blocks are indexed per (pool, stream) in segregated bins — 8 bins
 //     per power of two (TLSF-style) with a bitmap of non-empty bins. Lookup is
@@ -73,7 +73,8 @@
 //  Limitations: release_cached() and the out-of-memory retry give back the
 //  calling thread's cache at once; other threads give theirs back at their next
 //  operation on the pool, and when they exit. Recording a trace turns the fast
-//  path off. Stream 0 only: device pools leave it off (thread_cache_bytes 0).
+//  path off (in other threads from their next operation). Stream 0 only:
+//  device pools leave it off (thread_cache_bytes 0).
 //
 // Invariants (checked by is_valid()):
 //  * Every segment's blocks tile [base, base + size) in address order,
