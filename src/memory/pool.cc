@@ -247,13 +247,19 @@ struct PoolThreadCache {
 namespace {
 
 // This thread's cache of the pool it used last: one compare on the fast path.
-// initial-exec: a fixed offset from the thread pointer, no __tls_get_addr.
+// initial-exec (CMake MAPP_INITIAL_EXEC_TLS, default ON): a fixed offset from
+// the thread pointer, no __tls_get_addr call.
+#if !defined(MAPP_INITIAL_EXEC_TLS) || MAPP_INITIAL_EXEC_TLS
+#define MAPP_TLS_MODEL __attribute__((tls_model("initial-exec")))
+#else
+#define MAPP_TLS_MODEL
+#endif
 struct TlsSlot {
   std::uint64_t pool_id;
   PoolThreadCache* cache;
   bool exiting;  // the thread's caches are gone; later operations take the lock
 };
-thread_local TlsSlot tls_slot __attribute__((tls_model("initial-exec"))) = {0, nullptr, false};
+thread_local TlsSlot tls_slot MAPP_TLS_MODEL = {0, nullptr, false};
 
 std::mutex g_retire_mu;  // orders thread exit against pool destruction
 std::atomic<std::uint64_t> g_next_pool_id{1};
