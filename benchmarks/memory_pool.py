@@ -81,12 +81,11 @@ def main():
         for r, path in zip(KEEP[name], paths, strict=True):
             traces.append((name if r == 0 else f"{name}.r{r}", path))
     rows = []
-    tc = 1 << 20  # PoolOptions::kDefaultThreadCacheBytes, as use_pool("cpu") installs it
     for name, path in traces:
         res = {label: mapp.memory.replay(path, pol, expandable_segments=exp, thread_cache_bytes=t)
                for label, pol, exp, t in (("torch-like", "torch-like", False, 0),
                                           ("ours-plain", "ours", False, 0), ("ours", "ours", True, 0),
-                                          ("ours+tc", "ours", True, tc))}
+                                          ("ours+tc", "ours", True, None))}
         rows.append((name, res))
     print("\nreplay of GPT allocation traces (rank 0; .r3 = last pipeline stage), same requests "
           "through each policy")

@@ -67,6 +67,35 @@ double concurrent_ns(const std::function<void()>& pair, int threads) {
   return *std::max_element(ns.begin(), ns.end());
 }
 
+// Keeps a pointer observable, so that an alloc+free pair is not optimised away.
+inline void keep(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
+
+// One alloc+free pair of `size` bytes through each allocator compared.
+struct Pairs {
+  std::function<void()> ours, locked, malloc, torch;
+};
+
+Pairs pairs_of(std::size_t size, mapp::CachingPool& pool, mapp::CachingPool& locked,
+               c10::Allocator* torch_cpu) {
+  auto through = [size](mapp::CachingPool& p) {
+    return [&p, size] {
+      void* ptr = p.allocate(size);
+      keep(ptr);
+      p.deallocate(ptr);
+    };
+  };
+  return {through(pool), through(locked),
+          [size] {
+            void* p = std::malloc(size);
+            keep(p);
+            std::free(p);
+          },
+          [size, torch_cpu] {
+            c10::DataPtr p = torch_cpu->allocate(size);
+            keep(p.get());
+          }};
+}
+
 std::string label_of(std::size_t size) {
   return size >= (1u << 20) ? std::to_string(size >> 20) + " MiB"
          : size >= 1024     ? std::to_string(size >> 10) + " KiB"
@@ -95,28 +124,12 @@ int main() {
   std::printf("%8s | %8s %8s | %8s %8s | %8s %8s | %8s %8s | %11s %10s\n", "size", "ours p50",
               "p99", "locked50", "p99", "malloc50", "p99", "torch p50", "p99", "malloc/ours",
               "torch/ours");
-  const std::vector<std::size_t> sizes = {64ul, 4096ul, 65536ul, 1ul << 20, 16ul << 20};
-  for (std::size_t size : sizes) {
-    volatile void* sink = nullptr;
-    auto pair_of = [&](mapp::CachingPool& p) {
-      return [&p, &sink, size] {
-        void* ptr = p.allocate(size);
-        sink = ptr;
-        p.deallocate(ptr);
-      };
-    };
-    const Pct ours = measure(pair_of(pool), overhead);
-    const Pct lk = measure(pair_of(locked), overhead);
-    const Pct sys = measure([&] {
-      void* p = std::malloc(size);
-      sink = p;
-      std::free(p);
-    }, overhead);
-    const Pct th = measure([&] {
-      c10::DataPtr p = torch_cpu->allocate(size);
-      sink = p.get();
-    }, overhead);
-    (void)sink;
+  for (std::size_t size : {64ul, 4096ul, 65536ul, 1ul << 20, 16ul << 20}) {
+    const Pairs p = pairs_of(size, pool, locked, torch_cpu);
+    const Pct ours = measure(p.ours, overhead);
+    const Pct lk = measure(p.locked, overhead);
+    const Pct sys = measure(p.malloc, overhead);
+    const Pct th = measure(p.torch, overhead);
     std::printf("%8s | %8.1f %8.1f | %8.1f %8.1f | %8.1f %8.1f | %8.1f %8.1f | %10.2fx %9.2fx\n",
                 label_of(size).c_str(), ours.p50, ours.p99, lk.p50, lk.p99, sys.p50, sys.p99,
                 th.p50, th.p99, sys.p50 / std::max(ours.p50, 0.5),
@@ -126,25 +139,10 @@ int main() {
               "thread; no timer overhead)\n");
   std::printf("%8s | %8s | %8s | %8s | %8s\n", "size", "ours", "locked", "malloc", "torch");
   for (std::size_t size : {64ul, 65536ul, 1ul << 20}) {
-    auto pair_of = [size](mapp::CachingPool& p) {
-      return [&p, size] {
-        void* ptr = p.allocate(size);
-        asm volatile("" : : "r"(ptr) : "memory");
-        p.deallocate(ptr);
-      };
-    };
-    const double ours = concurrent_ns(pair_of(pool), 2);
-    const double lk = concurrent_ns(pair_of(locked), 2);
-    const double sys = concurrent_ns([size] {
-      void* p = std::malloc(size);
-      asm volatile("" : : "r"(p) : "memory");
-      std::free(p);
-    }, 2);
-    const double th = concurrent_ns([&] {
-      c10::DataPtr p = torch_cpu->allocate(size);
-      asm volatile("" : : "r"(p.get()) : "memory");
-    }, 2);
-    std::printf("%8s | %8.1f | %8.1f | %8.1f | %8.1f\n", label_of(size).c_str(), ours, lk, sys, th);
+    const Pairs p = pairs_of(size, pool, locked, torch_cpu);
+    std::printf("%8s | %8.1f | %8.1f | %8.1f | %8.1f\n", label_of(size).c_str(),
+                concurrent_ns(p.ours, 2), concurrent_ns(p.locked, 2), concurrent_ns(p.malloc, 2),
+                concurrent_ns(p.torch, 2));
   }
   return 0;
 }

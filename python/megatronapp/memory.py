@@ -141,15 +141,15 @@ def record_trace(path: str):
 
 
 def replay(path: str, policy: str = "ours", *, expandable_segments: bool = True,
-           capacity_bytes: int = 1 << 40, thread_cache_bytes: int = 0) -> dict:
+           capacity_bytes: int = 1 << 40, thread_cache_bytes: int | None = 0) -> dict:
     """Replays a recorded trace through a fresh pool: peak reserved,
-    utilization, fragmentation and time per operation. thread_cache_bytes > 0
-    replays with a thread cache of that size (stream-0 operations; the CPU pool's
-    setting), 0 without (device pools)."""
-    if thread_cache_bytes < 0:
+    utilization, fragmentation and time per operation. thread_cache_bytes: 0
+    (default) replays without a thread cache, as device pools run; None with the
+    policy's default, as use_pool("cpu") installs it; > 0 with that size."""
+    if thread_cache_bytes is not None and thread_cache_bytes < 0:
         raise ValueError(f"thread_cache_bytes must be >= 0 (0 turns it off), got {thread_cache_bytes}")
     return json.loads(_C.memory_replay(path, policy, expandable_segments, capacity_bytes,
-                                       thread_cache_bytes))
+                                       -1 if thread_cache_bytes is None else thread_cache_bytes))
 
 
 def main(argv=None) -> None:

@@ -875,10 +875,12 @@ void* CachingPool::allocate(std::size_t bytes, StreamId stream) {
 }
 
 void* CachingPool::allocate_slow(std::size_t bytes, StreamId stream) {
+  const bool tried = tls_slot.pool_id == id_;  // allocate() already tried the cache
   // Any stream: the locked path refreshes the cache's view of the pool.
   PoolThreadCache* c = options_.thread_cache_bytes != 0 ? thread_cache(true) : nullptr;
-  if (c != nullptr && stream == 0 && c->pending.load(kRelaxed) == 0 && bytes <= c->max_last) {
-    if (void* p = c->pop(bytes)) return p;  // the cache was just created or looked up
+  if (!tried && c != nullptr && stream == 0 && c->pending.load(kRelaxed) == 0 &&
+      bytes <= c->max_last) {
+    if (void* p = c->pop(bytes)) return p;  // this thread's cache, just looked up
   }
   std::lock_guard<std::mutex> lock(mu_);
   return allocate_locked(bytes, stream, c);
@@ -949,11 +951,9 @@ void CachingPool::deallocate(void* ptr) {
 }
 
 void CachingPool::deallocate_slow(void* ptr) {
-  PoolThreadCache* c = nullptr;
-  if (options_.thread_cache_bytes != 0 && (c = thread_cache(false)) != nullptr &&
-      c->pending.load(kRelaxed) == 0 && c->push(ptr)) {
-    return;
-  }
+  const bool tried = tls_slot.pool_id == id_;  // deallocate() already tried the cache
+  PoolThreadCache* c = options_.thread_cache_bytes != 0 ? thread_cache(false) : nullptr;
+  if (!tried && c != nullptr && c->pending.load(kRelaxed) == 0 && c->push(ptr)) return;
   std::lock_guard<std::mutex> lock(mu_);
   deallocate_locked(ptr, c);
 }

@@ -109,9 +109,9 @@ mapp::PoolOptions policy_options(const std::string& policy, bool expandable, dou
 }
 
 std::string replay_json(const std::string& path, const std::string& policy, bool expandable,
-                        std::size_t capacity_bytes, std::size_t thread_cache_bytes) {
+                        std::size_t capacity_bytes, long long thread_cache_bytes) {
   mapp::PoolOptions o = policy_options(policy, expandable, 0.0,  // bad policy: fail first
-                                       static_cast<long long>(thread_cache_bytes));
+                                       thread_cache_bytes);
   const mapp::AllocTrace trace = mapp::AllocTrace::load(path);
   mapp::HostDevice::Options d;
   d.capacity_bytes = capacity_bytes;
