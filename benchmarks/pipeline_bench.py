@@ -77,16 +77,14 @@ class _WeightWithParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from megatronapp.pipeline import weight_grad
+        from megatronapp import autograd
 
         (w,) = ctx.saved_tensors
-        store = weight_grad._ACTIVE
-        if store is not None:
-            def later(dy=dy, bw=ctx.bw):
-                _sleep(bw)
-                return dy.clone()
-            store.items.append((w, later))
-            store.deferred.add(id(w))
+
+        def later(dy=dy, bw=ctx.bw):
+            _sleep(bw)
+            return dy.clone()
+        if autograd.defer(w, later):
             return None, None
         _sleep(ctx.bw)
         return dy, None

@@ -24,10 +24,14 @@ How it works:
 * Gradients are averaged (SUM, then divide: Gloo's AVG has a known bug).
 * ``no_sync()`` skips synchronization (gradient accumulation), like torch DDP.
 * Under pipeline parallelism (``megatronapp.pipeline.forward_backward``) the
-  executor enables synchronization only for the last backward of each
-  microbatch-chunk, so a chunk's buckets start reducing as soon as its last
-  weight gradient is done, and calls ``finish_grad_sync()`` at the end of the
-  step (``finish_at_backward_end = False``).
+  executor uses the module as a :class:`~megatronapp.pipeline.GradSync`: it
+  enables synchronization only for the last backward of each chunk (so a
+  chunk's buckets start reducing as soon as its last weight gradient is done),
+  inside ``deferred_grad_sync()`` (no finish at the end of each backward), and
+  calls ``finish_grad_sync()`` at the end of the step.
+* Checkpoints read and restore the codec state (error-feedback residuals,
+  PowerSGD's Q) and the step counter through ``codec_state_dict()`` /
+  ``load_codec_state_dict()``.
 * With a :class:`~megatronapp.optimizer.DistributedOptimizer` (ZeRO-1) the
   buckets are reduce-scattered instead: each rank receives the averaged
   float32 gradients of the shard it owns, and parameters are views into
@@ -45,11 +49,10 @@ import torch.distributed as dist
 import torch
 from torch import nn
 
-from . import _collectives
+from . import _collectives, autograd
 from . import trace as _trace
 from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
-from .pipeline import weight_grad
 from .tensor_parallel.utils import is_tensor_parallel
 
 __all__ = ["DistributedDataParallel"]
@@ -127,9 +130,8 @@ class DistributedDataParallel(nn.Module):
                 for p in module.parameters():
                     dist.broadcast(p.data, src=src, group=self.group)
         self._sync_enabled = True
-        #: False while a pipeline executor runs several backward passes per step
-        #: and calls finish_grad_sync() itself.
-        self.finish_at_backward_end = True
+        # False inside deferred_grad_sync(): the caller finishes the step.
+        self._finish_at_backward_end = True
         self._zero = False
         self._callback_queued = False
         self._sync_steps = 0
@@ -206,6 +208,17 @@ class DistributedDataParallel(nn.Module):
                 view.copy_(p.grad)  # the user replaced .grad: adopt its values
                 p.grad = view
 
+    @property
+    def uses_distributed_optimizer(self) -> bool:
+        """True once a ZeRO-1 optimizer switched the buckets to reduce-scatter."""
+        return self._zero
+
+    @property
+    def synchronized_steps(self) -> int:
+        """Backward passes whose gradients were synchronized (the codec warm-up
+        of ``Compression(start_iter=...)`` counts these)."""
+        return self._sync_steps
+
     def enable_distributed_optimizer(self) -> None:
         """Switches to ZeRO-1 mode: parameters become views into contiguous
         per-bucket buffers and reductions become reduce-scatters. Called by
@@ -245,6 +258,18 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
+    def deferred_grad_sync(self):
+        """Inside, the end of a backward pass does not finish the reduction:
+        several backward passes make one step (pipeline schedules), and the
+        caller calls :meth:`finish_grad_sync` when the step's last one is done."""
+        previous = self._finish_at_backward_end
+        self._finish_at_backward_end = False
+        try:
+            yield
+        finally:
+            self._finish_at_backward_end = previous
+
+    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients without communicating."""
         previous = self._sync_enabled
@@ -256,12 +281,13 @@ class DistributedDataParallel(nn.Module):
 
     def _make_hook(self, p):
         def hook(param):
-            if not self._sync_enabled or weight_grad.is_deferred(param):
+            if not self._sync_enabled or autograd.is_deferred(param):
                 return
             if not self._callback_queued:
                 self._callback_queued = True
-                if self.finish_at_backward_end:
-                    torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+                if self._finish_at_backward_end:
+                    torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001
+                        self.finish_grad_sync)
             b = self._param_bucket[p]
             b.ready.add(id(param))
             if self.overlap_grad_reduce:
@@ -276,10 +302,7 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, b: Bucket) -> None:
         spec = self._spec(b)
-        if spec not in b.state:
-            layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
-            b.state[spec] = (codec_state(spec, b.grad_data.numel(), self.world, layout,
-                                            b.grad_data.device, seed=b.index), layout)
+        self._codec_state(b, spec)
         state, layout = b.state[spec]
         name = self.group.group_name
         if self._zero:
@@ -327,6 +350,35 @@ class DistributedDataParallel(nn.Module):
             "step": dict(self._step_stats),
             "synchronized_steps": self._sync_steps,
         }
+
+    # ---- checkpoint state ---------------------------------------------------------
+    def codec_state_dict(self) -> dict:
+        """This rank's gradient-codec state: ``{"synchronized_steps": int,
+        "tensors": {"b<bucket>/<spec>/<i>": tensor}}`` (error-feedback residuals,
+        PowerSGD's Q; per rank, meaningful only under the same layout)."""
+        tensors = {}
+        for b in self.buckets:
+            for spec, (state, _layout) in b.state.items():
+                for i, t in enumerate(state):
+                    tensors[f"b{b.index}/{spec}/{i}"] = t.detach()
+        return {"synchronized_steps": self._sync_steps, "tensors": tensors}
+
+    @torch.no_grad()
+    def load_codec_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`codec_state_dict` returned (same model, same
+        data-parallel size); codec states not yet created are created first."""
+        self._sync_steps = int(state["synchronized_steps"])
+        for key, t in state["tensors"].items():
+            b, spec, i = key.split("/")
+            bucket = self.buckets[int(b[1:])]
+            self._codec_state(bucket, spec)[int(i)].copy_(t)
+
+    def _codec_state(self, b: Bucket, spec: str) -> list:
+        if spec not in b.state:
+            layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
+            b.state[spec] = (codec_state(spec, b.grad_data.numel(), self.world, layout,
+                                         b.grad_data.device, seed=b.index), layout)
+        return b.state[spec][0]
 
     # state_dict / parameters pass through to the wrapped module
     def state_dict(self, *args, **kwargs):

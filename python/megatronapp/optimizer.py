@@ -4,8 +4,12 @@
     opt = mapp.optimizer.DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4,
                                               weight_decay=0.1)
     loss.backward()          # gradients reduce-scattered (compressed) during backward
+    finalize_model_grads(model, optimizer=opt)  # SP / tied-embedding sums, on the shards
     opt.clip_grad_norm_(1.0)
     opt.step()               # shard update in fp32, then parameters all-gathered
+
+(``from megatronapp.training import finalize_model_grads``; only needed with
+sequence parallelism or tied embeddings split over pipeline stages.)
 
 Constructor: ``DistributedOptimizer(ddp, optimizer_class=torch.optim.AdamW,
 param_groups=None, **optimizer_kwargs)``.
@@ -26,22 +30,34 @@ tensor — float32 even when the model is bf16 — which is what the inner
 optimizer updates; after the step the shards are cast back into the bucket's
 parameter buffer and all-gathered, so every rank ends with identical
 parameters.
+
+Checkpoints see the shards through :meth:`DistributedOptimizer.shards`: per
+piece, the parameter, its flat range [lo, hi) within the parameter, the fp32
+main values and the inner optimizer's state for them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from . import _collectives
+from . import _collectives, gradients
 from .data_parallel import DistributedDataParallel
 from .parallel_state import ParallelState, get_parallel_state
-from .tensor_parallel.utils import is_tensor_parallel
-from .training import _coalesced_all_reduce_
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "Shard"]
+
+
+@dataclass
+class Shard:
+    """The part of one parameter this rank updates (public view for checkpoints)."""
+
+    param: torch.Tensor
+    lo: int  #: flat range [lo, hi) within the parameter (this tensor-parallel shard of it)
+    hi: int
+    main: torch.Tensor  #: float32 main values; the inner optimizer's key
+    state: dict  #: the inner optimizer's state of `main` (e.g. exp_avg, exp_avg_sq, step)
 
 
 @dataclass
@@ -83,7 +99,7 @@ class DistributedOptimizer:
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [{}])]
         # Shard pieces: (bucket, param, lo, hi) in bucket coordinates, and the
         # fp32 main tensor the inner optimizer updates.
-        self.pieces = []
+        self._pieces = []
         by_group = [[] for _ in group_opts]
         for b in self.buckets:
             s_lo, s_hi = self._chunk_range(b)
@@ -92,11 +108,10 @@ class DistributedOptimizer:
                 if lo >= hi:
                     continue
                 main = b.param_data[lo:hi].detach().float().clone()
-                self.pieces.append(_Piece(b, p, lo, hi, lo - s_lo, main))
+                self._pieces.append(_Piece(b, p, lo, hi, lo - s_lo, main))
                 by_group[options.get(p, 0)].append(main)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
-        self._sp_done = False
         self.param_groups = self.optimizer.param_groups
 
     def _chunk_range(self, b) -> tuple:
@@ -105,47 +120,32 @@ class DistributedOptimizer:
         return self.rank * chunk, (self.rank + 1) * chunk
 
     # ---- the step -------------------------------------------------------------
-    def _load_grads(self) -> None:
+    def grad_shards(self) -> list:
+        """``(param, grad)`` of every piece, where ``grad`` is the averaged fp32
+        gradient of the piece (a view into its bucket's shard, also set as
+        ``main.grad``). Finishes the data-parallel reduction first."""
         for d in self.ddps:
             d.finish_grad_sync()  # no-op when backward already finished it
-        for pc in self.pieces:
+        for pc in self._pieces:
             pc.main.grad = pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
-        # Sequence-parallel parameters saw only their sequence shard: their
-        # gradients are partial sums over the tensor group (same shard ranges on
-        # every tensor rank: the buckets are identical).
-        sp = [pc.main.grad for pc in self.pieces if getattr(pc.param, "sequence_parallel", False)]
-        if sp and self.state_mp is not None and self.state_mp.tp_size > 1 and not self._sp_done:
-            _coalesced_all_reduce_(sp, self.state_mp.tensor_group)
-        self._sp_done = True
+        return [(pc.param, pc.main.grad) for pc in self._pieces]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient L2 norm from the shards (tensor-parallel shards count
         on every tp rank, replicated parameters once); scales if above max_norm."""
-        self._load_grads()
-        sq = torch.zeros(1, dtype=torch.float64)
-        tp_rank = self.state_mp.tp_rank if self.state_mp else 0
-        for pc in self.pieces:
-            if getattr(pc.param, "shared_embedding_replica", False):
-                continue  # counted on the first pipeline stage
-            if is_tensor_parallel(pc.param) or tp_rank == 0:
-                sq += pc.main.grad.double().pow(2).sum().cpu()
-        _collectives.all_reduce_sum_(sq, self.group)
-        if self.state_mp is not None:
-            _collectives.all_reduce_sum_(sq, self.state_mp.model_group)
-        norm = math.sqrt(float(sq))
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for b in self.buckets:
-                b.shard.mul_(coef)
+        pairs = self.grad_shards()
+        groups = [self.group] + ([self.state_mp.model_group] if self.state_mp else [])
+        norm = gradients.global_norm(pairs, self.state_mp, groups,
+                                     device=self.buckets[0].shard.device if self.buckets else None)
+        gradients.clip_([g for _, g in pairs], max_norm, norm)
         return norm
 
     @torch.no_grad()
     def step(self) -> None:
-        self._load_grads()
+        self.grad_shards()
         self.optimizer.step()
-        self._sp_done = False
-        for pc in self.pieces:
+        for pc in self._pieces:
             pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
         for b in self.buckets:
             lo, hi = self._chunk_range(b)
@@ -154,7 +154,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
             b.grad_data.zero_()
-        for pc in self.pieces:
+        for pc in self._pieces:
             pc.main.grad = None
 
     # ---- introspection ----------------------------------------------------------
@@ -169,7 +169,17 @@ class DistributedOptimizer:
 
     def main_param_bytes(self) -> int:
         """Bytes of this rank's float32 main parameters."""
-        return sum(pc.main.numel() * pc.main.element_size() for pc in self.pieces)
+        return sum(pc.main.numel() * pc.main.element_size() for pc in self._pieces)
+
+    def shards(self) -> list:
+        """This rank's :class:`Shard` of every parameter it updates."""
+        out = []
+        for pc in self._pieces:
+            off = pc.bucket.offsets[next(i for i, q in enumerate(pc.bucket.params)
+                                         if q is pc.param)]
+            out.append(Shard(pc.param, pc.lo - off, pc.hi - off, pc.main,
+                             self.optimizer.state.setdefault(pc.main, {})))
+        return out
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

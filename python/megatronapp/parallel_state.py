@@ -26,6 +26,8 @@ from ._C import RankGrid
 __all__ = [
     "ParallelState",
     "initialize_model_parallel",
+    "create_parallel_state",
+    "resolve_state",
     "destroy_model_parallel",
     "model_parallel_is_initialized",
     "get_parallel_state",
@@ -123,16 +125,30 @@ def initialize_model_parallel(
     the ``get_*`` functions of this module read).
     """
     global _STATE
+    if _STATE is not None:
+        raise RuntimeError(
+            "model parallel state is already initialized; call "
+            "megatronapp.destroy_model_parallel() before initializing it again"
+        )
+    _STATE = create_parallel_state(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                   virtual_pipeline_model_parallel_size, backend=backend)
+    return _STATE
+
+
+def create_parallel_state(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    *,
+    backend: str | None = None,
+) -> ParallelState:
+    """Like :func:`initialize_model_parallel` but installs nothing: the
+    returned value is passed explicitly (``parallel_state=``)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel() needs torch.distributed: call "
             "torch.distributed.init_process_group('gloo' or 'nccl') first "
             "(torchrun sets the rendezvous environment)"
-        )
-    if _STATE is not None:
-        raise RuntimeError(
-            "model parallel state is already initialized; call "
-            "megatronapp.destroy_model_parallel() before initializing it again"
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size)
@@ -161,7 +177,7 @@ def initialize_model_parallel(
         g = dist.new_group(ranks=list(ranks), backend=backend)
         if rank in ranks:
             emb_group, emb_ranks = g, list(ranks)
-    _STATE = ParallelState(
+    return ParallelState(
         grid=grid,
         rank=rank,
         tensor_group=tp_group,
@@ -174,7 +190,6 @@ def initialize_model_parallel(
         group_ranks={"tp": tp_ranks, "dp": dp_ranks, "pp": pp_ranks, "mp": mp_ranks,
                      "embedding": emb_ranks},
     )
-    return _STATE
 
 
 def destroy_model_parallel() -> None:
@@ -207,6 +222,11 @@ def get_parallel_state() -> ParallelState:
 
 
 # ---- Megatron-compatible façade ------------------------------------------------
+
+def resolve_state(parallel_state: ParallelState | None) -> ParallelState:
+    """`parallel_state` if given, else the installed default."""
+    return parallel_state if parallel_state is not None else get_parallel_state()
+
 
 def get_tensor_model_parallel_group():
     return get_parallel_state().tensor_group

@@ -39,10 +39,10 @@ def phase() -> str:
 
 
 def _store():
-    from torch.distributed import distributed_c10d as c10d
+    from . import _collectives
 
     try:
-        return c10d._get_default_store()
+        return _collectives.default_store()
     except Exception:  # noqa: BLE001 - fall back to the env rendezvous
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                              is_master=False, timeout=__import__("datetime").timedelta(seconds=30))

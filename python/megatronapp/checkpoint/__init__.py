@@ -40,8 +40,10 @@ import torch.distributed as dist
 
 import torch
 
-from .. import _C
-from ..tensor_parallel.utils import resolve_state
+from .. import _C, _collectives
+from ..data_parallel import DistributedDataParallel
+from ..optimizer import DistributedOptimizer
+from ..parallel_state import resolve_state
 from .format import CheckpointError, fsync_dir, read, write
 
 __all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "CheckpointError"]
@@ -97,35 +99,24 @@ def _owner_of_model_copy(p, state) -> bool:
     return _tp_slice(p, state) is not None or state.tp_rank == 0
 
 
-def _offset_in_bucket(bucket, p) -> int:
-    for q, off in zip(bucket.params, bucket.offsets, strict=True):
-        if q is p:
-            return off
-    raise CheckpointError("internal: parameter not in its bucket")
-
-
 # ---- save ---------------------------------------------------------------------------------
 def _optimizer_pieces(optimizer, params, state):
     """[(global name, kind, flat_lo, tensor)] of the optimizer state this rank
     must store, plus the parameter each refers to."""
-    from ..optimizer import DistributedOptimizer
-
     pieces = []
     if optimizer is None:
         return pieces
     if isinstance(optimizer, DistributedOptimizer):
         name_of = {id(p): n for n, p in params}
-        for pc in optimizer.pieces:
-            p = pc.param
+        for sh in optimizer.shards():
+            p = sh.param
             if getattr(p, "shared_embedding_replica", False):
                 continue
             if _tp_slice(p, state) is None and state.tp_rank != 0:
                 continue
-            off = _offset_in_bucket(pc.bucket, p)
-            lo = pc.lo - off
-            st = optimizer.optimizer.state.get(pc.main, {})
-            pieces.append((name_of[id(p)], "main", lo, pc.main.detach(), p))
-            for kind, t in st.items():
+            lo = sh.lo
+            pieces.append((name_of[id(p)], "main", lo, sh.main.detach(), p))
+            for kind, t in sh.state.items():
                 if torch.is_tensor(t):
                     pieces.append((name_of[id(p)], kind, lo if t.dim() else -1, t.detach(), p))
         return pieces
@@ -186,13 +177,12 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
         tensors["rank/rng_cuda"] = torch.cuda.get_rng_state()
     ddp_meta = []
     for ci, c in enumerate(chunks):
-        if not hasattr(c, "buckets"):
+        if not isinstance(c, DistributedDataParallel):
             continue
-        ddp_meta.append({"chunk": ci, "sync_steps": c._sync_steps})
-        for b in c.buckets:
-            for spec, (tensors_list, _layout) in b.state.items():
-                for i, t in enumerate(tensors_list):
-                    tensors[f"rank/ddp{ci}/b{b.index}/{spec}/{i}"] = t.detach()
+        codec = c.codec_state_dict()
+        ddp_meta.append({"chunk": ci, "sync_steps": codec["synchronized_steps"]})
+        for key, t in codec["tensors"].items():
+            tensors[f"rank/ddp{ci}/{key}"] = t
     if async_save:  # the blocking part: a host copy of everything
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
     _SAVE_SEQ[0] += 1
@@ -214,9 +204,7 @@ class _StoreRendezvous:
     """Ranks meet through the c10d store (usable from a background thread)."""
 
     def __init__(self, prefix, rank, world):
-        from torch.distributed import distributed_c10d as c10d
-
-        self.store = dist.PrefixStore(prefix, c10d._get_default_store())
+        self.store = dist.PrefixStore(prefix, _collectives.default_store())
         self.rank, self.world = rank, world
 
     def arrive(self, what: str) -> None:
@@ -429,8 +417,6 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
     "config", "extra", "same_layout"} or None when the directory has no
     checkpoint. Raises CheckpointError (naming file and tensor) on anything
     corrupt or incompatible, including a model `config` that differs."""
-    from ..optimizer import DistributedOptimizer
-
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     path = directory_or_path
@@ -455,18 +441,17 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
     if optimizer is not None:
         if isinstance(optimizer, DistributedOptimizer):
             name_of = {id(p): n for n, p in params}
-            for pc in optimizer.pieces:
-                p = pc.param
+            for sh in optimizer.shards():
+                p = sh.param
                 n = name_of[id(p)]
                 if getattr(p, "shared_embedding_replica", False):
                     n = "word_embeddings.weight"
-                off = _offset_in_bucket(pc.bucket, p)
-                lo, hi = pc.lo - off, pc.hi - off
+                lo, hi = sh.lo, sh.hi
                 shard = _mine(asm.full(n, "param", _global_shape(p, state), torch.float32)
                               if not asm.has(n, "main") else
                               asm.full(n, "main", _global_shape(p, state), torch.float32),
                               p, state).reshape(-1)
-                pc.main.copy_(shard[lo:hi])
+                sh.main.copy_(shard[lo:hi])
                 st = {}
                 for kind in ("exp_avg", "exp_avg_sq"):
                     if asm.has(n, kind):
@@ -475,7 +460,8 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
                 if asm.has(n, "step"):
                     st["step"] = asm.scalar(n, "step").clone()
                 if st:
-                    optimizer.optimizer.state[pc.main] = st
+                    sh.state.clear()
+                    sh.state.update(st)
         else:
             for n, p in params:
                 src = "word_embeddings.weight" if getattr(p, "shared_embedding_replica",
@@ -501,24 +487,10 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
         if "rank/rng_cuda" in mine and torch.cuda.is_available():
             torch.cuda.set_rng_state(mine["rank/rng_cuda"])
         for entry in meta.get("ddp", {}).get(str(rank), []):
-            c = chunks[entry["chunk"]]
-            c._sync_steps = entry["sync_steps"]
             prefix = f"rank/ddp{entry['chunk']}/"
-            for key, t in mine.items():
-                if not key.startswith(prefix):
-                    continue
-                _, _, b, spec, i = key.split("/", 4)
-                bucket = c.buckets[int(b[1:])]
-                saved = bucket.state.get(spec)
-                if saved is None:  # create the codec state, then overwrite it
-                    from ..comm import codec_state
-
-                    layout = ([v for t_ in bucket.layout for v in t_]
-                              if spec.startswith("powersgd") else [])
-                    bucket.state[spec] = (codec_state(spec, bucket.grad_data.numel(), c.world,
-                                                      layout, bucket.grad_data.device,
-                                                      seed=bucket.index), layout)
-                bucket.state[spec][0][int(i)].copy_(t)
+            chunks[entry["chunk"]].load_codec_state_dict({
+                "synchronized_steps": entry["sync_steps"],
+                "tensors": {k[len(prefix):]: t for k, t in mine.items() if k.startswith(prefix)}})
     elif rank == 0:
         _C.log("warning", f"checkpoint {path} was saved with layout {par}; loading into tp="
                f"{state.tp_size} pp={state.pp_size} dp={state.dp_size}: parameters and "

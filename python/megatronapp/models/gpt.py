@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
+from ..autograd import linear
 from ..parallel_state import ParallelState
-from ..pipeline.weight_grad import linear
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

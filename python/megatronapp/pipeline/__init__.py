@@ -11,9 +11,10 @@
 See docs/pipeline.md.
 """
 
-from .adaptive import AdaptiveSchedule
-from .executor import PipelineResult, forward_backward
+from .adaptive import AdaptiveSchedule, current_schedule, make_schedule
+from .executor import GradSync, PipelineResult, forward_backward
 from .schedules import SCHEDULES, Action, Schedule, SimulationResult, costs, simulate
 
-__all__ = ["Action", "AdaptiveSchedule", "PipelineResult", "SCHEDULES", "Schedule",
-           "SimulationResult", "costs", "forward_backward", "simulate"]
+__all__ = ["Action", "AdaptiveSchedule", "GradSync", "PipelineResult", "SCHEDULES", "Schedule",
+           "SimulationResult", "costs", "current_schedule", "forward_backward", "make_schedule",
+           "simulate"]

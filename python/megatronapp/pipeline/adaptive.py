@@ -25,12 +25,11 @@ import torch.distributed as dist
 
 import torch
 
-from ..parallel_state import ParallelState
-from ..tensor_parallel.utils import resolve_state
+from ..parallel_state import ParallelState, resolve_state
 from .executor import PipelineResult
 from .schedules import Schedule, costs
 
-__all__ = ["AdaptiveSchedule"]
+__all__ = ["AdaptiveSchedule", "current_schedule", "make_schedule"]
 
 
 class AdaptiveSchedule:
@@ -106,3 +105,26 @@ class AdaptiveSchedule:
             if stage == a:  # count each link once
                 self._link[link] += torch.tensor([statistics.median(times), 1.0],
                                                  dtype=torch.float64)
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1, *, policy: str = "adaptive",
+                  memory_limit: int | None = None, replan_interval: int = 20,
+                  parallel_state: ParallelState | None = None):
+    """The schedule ``pretrain_gpt.py --pipeline-schedule NAME`` runs: a
+    :class:`Schedule`, or with ``dynamic`` and policy ``adaptive`` an
+    :class:`AdaptiveSchedule` re-planning every `replan_interval` steps. One
+    stage (p = 1) is always the one-stage 1F1B (forward, backward per
+    microbatch). Raises ValueError for combinations that cannot run."""
+    if p == 1:
+        return Schedule.one_f_one_b(1, m)
+    if name == "dynamic":
+        if policy == "adaptive":
+            return AdaptiveSchedule(p, m, v, memory_limit, interval=replan_interval,
+                                    parallel_state=parallel_state)
+        return Schedule.dynamic(p, m, v, policy, memory_limit)
+    return Schedule.by_name(name, p, m, v)
+
+
+def current_schedule(schedule) -> Schedule:
+    """The schedule to run now (an AdaptiveSchedule's latest plan)."""
+    return schedule.schedule if isinstance(schedule, AdaptiveSchedule) else schedule

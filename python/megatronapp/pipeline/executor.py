@@ -8,17 +8,18 @@ Semantics (those the validator and simulator assume): actions run in order;
 RECV_* posts a non-blocking receive and SEND_* a non-blocking send (several
 transfers in flight, matched by tag = (kind, microbatch, virtual stage)); F, B
 and BI wait only for their own input. BI computes the input gradient with the
-linear layers' weight gradients deferred (``weight_grad``) and W computes
+linear layers' weight gradients deferred (:mod:`megatronapp.autograd`) and W computes
 them. ``data_iterator`` yields ``(inputs, target)`` per microbatch: the first
 virtual stage feeds ``inputs`` to chunk 0 and the last computes
 ``loss_fn(output, target)``; the loss is divided by the number of
 microbatches before backward, so gradients are the mean over microbatches.
 
-Chunks wrapped in :class:`~megatronapp.data_parallel.DistributedDataParallel`
-synchronize only during their final backward (and final W), so a chunk's
-data-parallel reduction starts as soon as its last weight gradient is done,
-while other chunks still compute; the executor waits for all of them at the
-end of the step.
+Chunks that implement :class:`GradSync` (megatronapp's
+:class:`~megatronapp.data_parallel.DistributedDataParallel` does) synchronize
+only during their final backward (and final W), so a chunk's data-parallel
+reduction starts as soon as its last weight gradient is done, while other
+chunks still compute; the executor finishes all of them at the end of the
+step. The executor knows nothing else about data parallelism.
 """
 
 from __future__ import annotations
@@ -29,19 +30,33 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
 
 import torch
 
-from .. import faults
+from .. import autograd, faults
 from .. import trace as _trace
-from ..parallel_state import ParallelState
-from ..tensor_parallel.utils import resolve_state
-from . import weight_grad
+from ..parallel_state import ParallelState, resolve_state
 from .schedules import Schedule
 
-__all__ = ["forward_backward", "PipelineResult"]
+__all__ = ["forward_backward", "GradSync", "PipelineResult"]
+
+
+@runtime_checkable
+class GradSync(Protocol):
+    """What the executor needs from a model chunk whose gradients are
+    synchronized across data-parallel ranks (e.g. megatronapp's DDP)."""
+
+    def no_sync(self):
+        """Context: backward passes inside accumulate without communicating."""
+
+    def deferred_grad_sync(self):
+        """Context: a backward pass's end does not finish the reduction."""
+
+    def finish_grad_sync(self) -> None:
+        """Completes the step's reduction (waits for it)."""
 
 _COMPUTE = ("F", "B", "BI", "W")
 
@@ -188,8 +203,6 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
         tensor_shape, dtype: shape and dtype of the tensors between stages.
         forward_only: run the forwards only (evaluation), without autograd.
     """
-    from ..data_parallel import DistributedDataParallel  # imports this package
-
     state = resolve_state(parallel_state)
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
@@ -209,10 +222,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     p2p = _P2P(state, schedule, tensor_shape, dtype, device)
     p2p.result = result
     final = set() if forward_only else _final_backwards(actions, v)
-    ddps = [c if isinstance(c, DistributedDataParallel) else None for c in chunks]
-    for d in ddps:
-        if d is not None:
-            d.finish_at_backward_end = False
+    syncs = [c if isinstance(c, GradSync) else None for c in chunks]
     last_vs = p * v - 1
     batches: list = []
 
@@ -237,75 +247,73 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     live = 0
     times = defaultdict(list)
     t_step = time.perf_counter()
-    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-    try:
-        with grad_ctx:
-            for i, a in enumerate(actions):
-                mb, c = a.microbatch, a.chunk
-                vs = c * p + stage
-                if a.type == "RECV_ACT":
-                    p2p.post_recv((0, mb, vs), a.peer)
-                elif a.type == "RECV_GRAD":
-                    p2p.post_recv((1, mb, vs), a.peer)
-                elif a.type == "SEND_ACT":
-                    entry = stash.pop((mb, c)) if forward_only else stash[(mb, c)]
-                    p2p.send((0, mb, vs + 1), entry[1], a.peer)
-                elif a.type == "SEND_GRAD":
-                    p2p.send((1, mb, vs - 1), stash.pop((mb, c))[0].grad, a.peer)
-                else:
-                    if a.type == "F":
-                        x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs), a_peer(i))
-                        if vs > 0 and not forward_only:
-                            x.requires_grad_(True)
-                    elif a.type in ("B", "BI") and vs < last_vs:
-                        dy = p2p.wait_recv((1, mb, vs), a_peer(i))
-                    t0 = time.perf_counter()
-                    t0_ns = time.monotonic_ns() if p2p.trace else 0
-                    busy = _trace.BusyTimer() if p2p.trace else None
-                    if a.type == "F":
-                        out = chunks[c](x)
-                        if vs == last_vs:
-                            loss = loss_fn(out, batch(mb)[1])
-                            result.losses.append(loss.detach())
-                            out = loss / m
-                        if not (forward_only and vs == last_vs):
-                            stash[(mb, c)] = (x, out)
-                        live += 1
-                        result.peak_activations = max(result.peak_activations, live)
-                    else:
-                        sync = (contextlib.nullcontext() if ddps[c] is None or i in final
-                                else ddps[c].no_sync())
-                        with sync:
-                            if a.type == "W":
-                                weight_grad.run(wstore.pop((mb, c)))
-                                live -= 1
-                            else:
-                                x, out = stash[(mb, c)]
-                                grad = None if vs == last_vs else dy
-                                if a.type == "BI":
-                                    store = wstore[(mb, c)] = weight_grad.WeightGradStore()
-                                    with weight_grad.deferring(store):
-                                        torch.autograd.backward(out, grad)
-                                else:
-                                    torch.autograd.backward(out, grad)
-                                    live -= 1
-                                if vs == 0:
-                                    stash.pop((mb, c))
-                                else:
-                                    stash[(mb, c)] = (x, None)
-                    times[a.type].append(time.perf_counter() - t0)
-                    if p2p.trace:
-                        busy.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
-            p2p.finish()
+    with contextlib.ExitStack() as deferred:
         if forward_only:
-            return _finish(result, times, t_step)
-        for d in ddps:
-            if d is not None:
+            deferred.enter_context(torch.no_grad())
+        else:
+            for d in syncs:
+                if d is not None:
+                    deferred.enter_context(d.deferred_grad_sync())
+        for i, a in enumerate(actions):
+            mb, c = a.microbatch, a.chunk
+            vs = c * p + stage
+            if a.type == "RECV_ACT":
+                p2p.post_recv((0, mb, vs), a.peer)
+            elif a.type == "RECV_GRAD":
+                p2p.post_recv((1, mb, vs), a.peer)
+            elif a.type == "SEND_ACT":
+                entry = stash.pop((mb, c)) if forward_only else stash[(mb, c)]
+                p2p.send((0, mb, vs + 1), entry[1], a.peer)
+            elif a.type == "SEND_GRAD":
+                p2p.send((1, mb, vs - 1), stash.pop((mb, c))[0].grad, a.peer)
+            else:
+                if a.type == "F":
+                    x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs), a_peer(i))
+                    if vs > 0 and not forward_only:
+                        x.requires_grad_(True)
+                elif a.type in ("B", "BI") and vs < last_vs:
+                    dy = p2p.wait_recv((1, mb, vs), a_peer(i))
+                t0 = time.perf_counter()
+                t0_ns = time.monotonic_ns() if p2p.trace else 0
+                busy = _trace.BusyTimer() if p2p.trace else None
+                if a.type == "F":
+                    out = chunks[c](x)
+                    if vs == last_vs:
+                        loss = loss_fn(out, batch(mb)[1])
+                        result.losses.append(loss.detach())
+                        out = loss / m
+                    if not (forward_only and vs == last_vs):
+                        stash[(mb, c)] = (x, out)
+                    live += 1
+                    result.peak_activations = max(result.peak_activations, live)
+                else:
+                    sync = (contextlib.nullcontext() if syncs[c] is None or i in final
+                            else syncs[c].no_sync())
+                    with sync:
+                        if a.type == "W":
+                            autograd.run(wstore.pop((mb, c)))
+                            live -= 1
+                        else:
+                            x, out = stash[(mb, c)]
+                            grad = None if vs == last_vs else dy
+                            if a.type == "BI":
+                                store = wstore[(mb, c)] = autograd.WeightGradStore()
+                                with autograd.deferring(store):
+                                    torch.autograd.backward(out, grad)
+                            else:
+                                torch.autograd.backward(out, grad)
+                                live -= 1
+                            if vs == 0:
+                                stash.pop((mb, c))
+                            else:
+                                stash[(mb, c)] = (x, None)
+                times[a.type].append(time.perf_counter() - t0)
+                if p2p.trace:
+                    busy.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
+        p2p.finish()
+        for d in syncs:
+            if d is not None and not forward_only:
                 d.finish_grad_sync()
-    finally:
-        for d in ddps:
-            if d is not None:
-                d.finish_at_backward_end = True
     return _finish(result, times, t_step)
 
 

@@ -33,6 +33,11 @@ class Schedule:
     def __init__(self, cpp: _pl.Schedule):
         self._s = cpp
 
+    @property
+    def cpp(self) -> _pl.Schedule:
+        """The C++ schedule object (``megatronapp._C.pipeline.Schedule``)."""
+        return self._s
+
     # ---- constructors ----------------------------------------------------------
     @classmethod
     def gpipe(cls, p: int, m: int) -> Schedule:
@@ -164,7 +169,7 @@ class SimulationResult:
 
     def chrome_trace(self, path: str | Path | None = None) -> str:
         """Chrome Trace Event JSON (Perfetto); written to `path` if given."""
-        text = _pl.chrome_trace(self.schedule._s, self._cpp)
+        text = _pl.chrome_trace(self.schedule.cpp, self._cpp)
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -217,6 +222,6 @@ def simulate(schedule: Schedule, forward=1.0, backward_input=1.0, backward_weigh
             raise ValueError(f"bandwidth must be positive, got {bandwidth}")
         link = [t + message_bytes / b for t, b in zip(link, bw, strict=True)]
     c = costs(p, forward, backward_input, backward_weight, link)
-    r = _pl.simulate(schedule._s, c)
+    r = _pl.simulate(schedule.cpp, c)
     return SimulationResult(schedule, r.makespan, r.bubble_fraction, list(r.peak_activations),
                             list(r.busy), r.timeline, r)

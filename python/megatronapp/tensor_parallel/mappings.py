@@ -66,7 +66,8 @@ class _ReduceFromRegion(torch.autograd.Function):
     def forward(ctx, x, group):
         # Reduce in place when x is a fresh intermediate (the usual case: a
         # matmul output); autograd's version counter guards any other reader.
-        if x._base is None and not (x.is_leaf and x.requires_grad) and x.is_contiguous():
+        is_view = x._base is not None  # noqa: SLF001 (torch: whether x is a view)
+        if not is_view and not (x.is_leaf and x.requires_grad) and x.is_contiguous():
             ctx.mark_dirty(x)
             return _collectives.all_reduce_sum_(x, group)
         return _collectives.all_reduce_sum_(x.clone(), group)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch
 
 from .. import _collectives
-from ..parallel_state import ParallelState, get_parallel_state
+from ..parallel_state import ParallelState, get_parallel_state, resolve_state  # noqa: F401
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -28,10 +28,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
             f"({denominator}); choose sizes that divide evenly"
         )
     return numerator // denominator
-
-
-def resolve_state(parallel_state: ParallelState | None) -> ParallelState:
-    return parallel_state if parallel_state is not None else get_parallel_state()
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int) -> None:

@@ -1,0 +1,61 @@
+"""Gradient norm and clipping over a model-parallel model: the one
+implementation, for full gradients and ZeRO-1 shards alike.
+
+    norm = gradients.global_norm(pairs, state, groups=[state.model_group])
+    gradients.clip_(grads, max_norm, norm)
+
+`pairs` are ``(param, grad)``: ``grad`` is the parameter's full gradient or
+the slice of it this rank owns (ZeRO-1). Which pairs count is decided by
+:func:`counted`: tensor-parallel shards on every tensor rank, replicated
+parameters on tensor rank 0 only, and the last pipeline stage's replica of
+tied embeddings not at all (the first stage counts it). The squares are summed
+in float64 on the gradients' device; the only host synchronization is the one
+that reads the final norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+import torch
+
+from . import _collectives
+from .parallel_state import ParallelState
+from .tensor_parallel.utils import is_tensor_parallel
+
+__all__ = ["counted", "global_norm", "clip_"]
+
+
+def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
+    """Whether `param`'s gradient enters the norm on this rank."""
+    if getattr(param, "shared_embedding_replica", False):
+        return False
+    tp_rank = state.tp_rank if state is not None else 0
+    return is_tensor_parallel(param) or tp_rank == 0
+
+
+@torch.no_grad()
+def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGroup],
+                device: torch.device | None = None) -> float:
+    """L2 norm of the counted gradients of `pairs`, summed over `groups`
+    (e.g. the data group for ZeRO-1 shards, then the model group)."""
+    grads = [g for p, g in pairs if counted(p, state)]
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.detach().double().pow(2).sum()
+    for group in groups:
+        if group is not None:
+            _collectives.all_reduce_sum_(total, group)
+    return math.sqrt(float(total))  # the one host synchronization
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
+    """Scales `grads` in place so that a total norm of `norm` becomes at most
+    `max_norm` (no-op when ``max_norm <= 0`` or the norm is already below)."""
+    if max_norm > 0 and norm > max_norm and grads:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))

@@ -1,0 +1,356 @@
+"""The training configuration: one dataclass per concern, one field per flag.
+
+Every field carries its help text, so the Megatron-style command line
+(:func:`build_parser`) is generated from these classes: names, defaults and
+help live in one place. A field ``tensor_model_parallel_size`` is the flag
+``--tensor-model-parallel-size``; a ``bool`` field is a ``store_true`` flag.
+
+    cfg = Config.from_args(build_parser().parse_args())
+    cfg.parallel.tensor_model_parallel_size, cfg.optim.lr, ...
+    plan = cfg.check(world_size)        # every check, no collective
+
+:meth:`Config.check` runs every configuration check that needs no model and no
+communication — parallel grid, batch and layer divisibility, the pipeline
+schedule, sequence parallelism, the codec spec, option combinations — so a bad
+command line fails identically on every rank before the first collective.
+A new capability adds a section here (a dataclass and a field of
+:class:`Config`) and its checks to :meth:`Config.check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+from ..comm import Compression
+from ..pipeline import SCHEDULES, make_schedule
+from ..pipeline.layout import layer_layout, parse_layout
+
+__all__ = ["Config", "Plan", "ConfigError", "build_parser", "SECTIONS"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which flag and why."""
+
+
+def _flag(default, help: str, **argparse_kwargs):
+    """A field with its help text and extra argparse options (choices, metavar)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _flag(1, "tensor-parallel size (tp)")
+    pipeline_model_parallel_size: int = _flag(1, "pipeline-parallel size (pp)")
+    virtual_pipeline_model_parallel_size: int | None = _flag(
+        None, "model chunks per pipeline stage (interleaved / dynamic schedules)")
+    pipeline_schedule: str = _flag(
+        "1f1b", "1f1b becomes interleaved 1F1B with a virtual pipeline size; with pp = 1 every "
+        "schedule is the one-stage 1F1B", choices=SCHEDULES)
+    pipeline_dynamic_policy: str = _flag("adaptive", "planner policy of --pipeline-schedule dynamic",
+                                         choices=("dfc", "bfc", "auto", "adaptive"))
+    pipeline_memory_limit: int | None = _flag(
+        None, "dynamic schedule: live activations per stage (microbatch x chunk)", metavar="N")
+    pipeline_replan_interval: int = _flag(
+        20, "dynamic adaptive schedule: re-plan from measured times every N iters")
+    decoder_first_pipeline_num_layers: int | None = _flag(None, "layers of the first stage")
+    decoder_last_pipeline_num_layers: int | None = _flag(None, "layers of the last stage")
+    pipeline_layer_layout: str | None = _flag(
+        None, "layers per virtual stage (chunk-major: chunk 0 of every stage first)",
+        metavar="N,N,...")
+    sequence_parallel: bool = _flag(False, "shard LayerNorm/dropout activations over the "
+                                    "tensor group along the sequence")
+    distributed_backend: str = _flag("auto", "auto: nccl with CUDA, gloo otherwise",
+                                     choices=("auto", "gloo", "nccl"))
+
+
+@dataclass
+class DataParallelConfig:
+    use_distributed_optimizer: bool = _flag(
+        False, "ZeRO-1: shard optimizer state over data-parallel ranks")
+    grad_compression: str = _flag(
+        "none", "none, bf16, fp16, int8[:block], onebit[:block], topk:<ratio>, powersgd:<rank>",
+        metavar="SPEC")
+    grad_compression_start_iter: int = _flag(0, "run uncompressed for the first N iterations")
+    bucket_size_mb: float = _flag(25.0, "gradient bucket size")
+    no_overlap_grad_reduce: bool = _flag(
+        False, "reduce gradients at the end of backward instead of during it")
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _flag(4, "transformer layers")
+    hidden_size: int = _flag(128, "hidden size")
+    num_attention_heads: int = _flag(4, "attention heads")
+    ffn_hidden_size: int | None = _flag(None, "MLP hidden size (default 4 x hidden)")
+    seq_length: int = _flag(128, "tokens per sample")
+    make_vocab_size_divisible_by: int = _flag(128, "pad the vocabulary to a multiple of this x tp")
+    untie_embeddings_and_output_weights: bool = _flag(
+        False, "separate output layer instead of the word embeddings")
+
+
+@dataclass
+class OptimConfig:
+    micro_batch_size: int = _flag(4, "samples per microbatch")
+    global_batch_size: int = _flag(16, "samples per iteration over all data-parallel ranks")
+    lr: float = _flag(3e-3, "peak learning rate")
+    min_lr: float = _flag(3e-4, "learning rate at the end of the cosine decay")
+    lr_warmup_iters: int = _flag(10, "linear warm-up iterations")
+    weight_decay: float = _flag(0.01, "AdamW weight decay (matrices only)")
+    clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
+    train_iters: int = _flag(100, "training iterations")
+    eval_iters: int = _flag(4, "validation batches per evaluation")
+    eval_interval: int = _flag(
+        0, "also evaluate every N iterations (0: only at the end); the loss curve records "
+        "validation loss and training-only wall time at each", metavar="N")
+    seed: int = _flag(1234, "seed of weights and data order (same on every rank)")
+
+
+@dataclass
+class DataConfig:
+    data_path: str | None = _flag(None, "text file (default: bundled KJV excerpt)")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _flag(10, "log line every N iterations (with --no-progress)")
+    output_dir: str = _flag("runs/gpt", "loss curve CSV/PNG and summary")
+    no_progress: bool = _flag(False, "plain log lines instead of a bar")
+    tensorboard_dir: str | None = _flag(
+        None, "write TensorBoard scalars (loss, lr, grad norm, tokens/s, memory) here",
+        metavar="DIR")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = _flag(None, "save checkpoints here", metavar="DIR")
+    save_interval: int | None = _flag(None, "save every N iterations (and at the end)",
+                                      metavar="N")
+    async_save: bool = _flag(
+        False, "copy the state to host memory and write the checkpoint in the background")
+    load: str | None = _flag(None, "resume from DIR/latest (any tp/pp/dp layout)", metavar="DIR")
+    watchdog_timeout: float = _flag(
+        30.0, "declare a rank dead after S seconds without heartbeat; exit non-zero",
+        metavar="S")
+    no_watchdog: bool = _flag(False, "no dead-rank watchdog")
+
+
+@dataclass
+class TraceConfig:
+    trace: bool = _flag(False, "record a Chrome trace per rank "
+                        "(python -m megatronapp.trace aggregate)")
+    trace_dir: str = _flag("runs/trace", "per-rank trace files")
+    trace_interval: int = _flag(1, "trace --trace-iterations of every N iterations", metavar="N")
+    trace_iterations: int | None = _flag(None, "traced iterations per interval", metavar="K")
+    trace_granularity: str = _flag("full", "coarse drops per-microbatch compute and P2P events",
+                                   choices=("full", "coarse"))
+    trace_detect_interval: int = _flag(
+        0, "online slow-rank detection every N traced iterations (0: off)", metavar="N")
+
+
+@dataclass
+class MemoryConfig:
+    memory_pool: bool = _flag(
+        False, "serve tensor memory from megatronapp's caching pool; prints its summary")
+    memory_pool_policy: str = _flag("ours", "allocation policy of the pool",
+                                    choices=("ours", "torch-like"))
+    record_alloc_trace: str | None = _flag(
+        None, "record the CPU pool's allocation trace ('{rank}' in FILE is replaced; "
+        "otherwise .rankN is appended when there are several ranks)", metavar="FILE")
+
+
+#: (attribute of Config, argparse group title, dataclass), in --help order.
+SECTIONS = (
+    ("parallel", "parallelism", ParallelConfig),
+    ("data_parallel", "data parallelism", DataParallelConfig),
+    ("model", "model", ModelConfig),
+    ("optim", "training", OptimConfig),
+    ("data", "data", DataConfig),
+    ("logging", "logging and output", LoggingConfig),
+    ("checkpoint", "checkpointing and fault tolerance", CheckpointConfig),
+    ("trace", "tracing", TraceConfig),
+    ("memory", "memory", MemoryConfig),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :meth:`Config.check` derived: the grid and the work split."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    microbatches: int  #: per data-parallel rank and iteration
+    layer_layout: list  #: layers per virtual pipeline stage
+
+
+@dataclass
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    # ---- conversions ---------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args) -> Config:
+        """From a flat namespace (argparse, or any object with the flag names as
+        attributes); an existing Config is returned as is."""
+        if isinstance(args, Config):
+            return args
+        values = vars(args)
+        sections = {}
+        for attr, _title, section in SECTIONS:
+            sections[attr] = section(**{f.name: values[f.name]
+                                        for f in dataclasses.fields(section) if f.name in values})
+        return cls(**sections)
+
+    def flat(self) -> dict:
+        """{flag name with underscores: value} of every field."""
+        return {k: v for attr, _t, _s in SECTIONS
+                for k, v in dataclasses.asdict(getattr(self, attr)).items()}
+
+    # ---- the checks ------------------------------------------------------------------
+    def check(self, world_size: int) -> Plan:
+        """Every check that needs neither a model nor a collective; raises
+        :class:`ConfigError` naming the flag. Returns the derived :class:`Plan`."""
+
+        par, m, o = self.parallel, self.model, self.optim
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        v = par.virtual_pipeline_model_parallel_size or 1
+        for name, value in (("--tensor-model-parallel-size", tp),
+                            ("--pipeline-model-parallel-size", pp), ("--num-layers", m.num_layers),
+                            ("--hidden-size", m.hidden_size), ("--seq-length", m.seq_length),
+                            ("--num-attention-heads", m.num_attention_heads),
+                            ("--micro-batch-size", o.micro_batch_size),
+                            ("--global-batch-size", o.global_batch_size),
+                            ("--virtual-pipeline-model-parallel-size", v),
+                            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),
+                            ("--eval-interval", o.eval_interval),
+                            ("--grad-compression-start-iter",
+                             self.data_parallel.grad_compression_start_iter)):
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        if world_size % (tp * pp) != 0:
+            raise ConfigError(f"world size {world_size} is not divisible by "
+                              f"--tensor-model-parallel-size {tp} x "
+                              f"--pipeline-model-parallel-size {pp}")
+        if v > 1 and pp == 1:
+            raise ConfigError("--virtual-pipeline-model-parallel-size needs "
+                              "--pipeline-model-parallel-size > 1")
+        dp = world_size // (tp * pp)
+        if o.global_batch_size % (o.micro_batch_size * dp) != 0:
+            raise ConfigError(
+                f"--global-batch-size {o.global_batch_size} is not divisible by "
+                f"--micro-batch-size {o.micro_batch_size} x data-parallel size {dp}")
+        microbatches = o.global_batch_size // (o.micro_batch_size * dp)
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
+                              f"--num-attention-heads {m.num_attention_heads}")
+        if m.num_attention_heads % tp:
+            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible "
+                              f"by --tensor-model-parallel-size {tp}")
+        ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * m.hidden_size
+        if ffn % tp:
+            raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+        if par.sequence_parallel and tp > 1 and m.seq_length % tp:
+            raise ConfigError(f"--seq-length {m.seq_length} must be divisible by the "
+                              f"tensor-parallel size {tp} with --sequence-parallel")
+        try:
+            layout = layer_layout(
+                m.num_layers, pp, v, first=par.decoder_first_pipeline_num_layers,
+                last=par.decoder_last_pipeline_num_layers,
+                layout=parse_layout(par.pipeline_layer_layout) if par.pipeline_layer_layout
+                else None)
+            if pp > 1:  # the schedule itself checks m against p (e.g. interleaved)
+                make_schedule(par.pipeline_schedule, pp, microbatches, v,
+                              policy=par.pipeline_dynamic_policy,
+                              memory_limit=par.pipeline_memory_limit,
+                              replan_interval=par.pipeline_replan_interval)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        spec = self.data_parallel.grad_compression
+        if spec != "none":
+            try:
+                Compression(spec)
+            except (ValueError, RuntimeError) as e:
+                raise ConfigError(f"--grad-compression {spec}: {e}") from None
+        if self.data_parallel.bucket_size_mb <= 0:
+            raise ConfigError(f"--bucket-size-mb must be positive, got "
+                              f"{self.data_parallel.bucket_size_mb}")
+        ck = self.checkpoint
+        if ck.save_interval is not None and ck.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
+        if ck.save_interval and not ck.save:
+            raise ConfigError("--save-interval needs --save DIR")
+        if ck.async_save and not ck.save:
+            raise ConfigError("--async-save needs --save DIR")
+        if not ck.no_watchdog and world_size > 1 and ck.watchdog_timeout <= 2.0:
+            raise ConfigError(f"--watchdog-timeout must exceed 2 s (twice the heartbeat), "
+                              f"got {ck.watchdog_timeout}")
+        if self.memory.record_alloc_trace and not self.memory.memory_pool:
+            raise ConfigError("--record-alloc-trace needs --memory-pool")
+        if self.memory.record_alloc_trace and self.device_type() != "cpu":
+            raise ConfigError("--record-alloc-trace records the CPU pool; run on CPU (gloo)")
+        tr = self.trace
+        if tr.trace_interval < 1:
+            raise ConfigError(f"--trace-interval must be >= 1, got {tr.trace_interval}")
+        if tr.trace_detect_interval and not tr.trace:
+            raise ConfigError("--trace-detect-interval needs --trace")
+        data = self.data.data_path
+        if data is not None and not os.path.isfile(data):
+            raise ConfigError(f"--data-path {data}: no such file")
+        return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+
+    def backend(self) -> str:
+        """The c10d backend --distributed-backend resolves to."""
+        backend = self.parallel.distributed_backend
+        if backend == "auto":
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return backend
+
+    def device_type(self) -> str:
+        return "cuda" if self.backend() == "nccl" else "cpu"
+
+
+# ---- the command line ----------------------------------------------------------------
+def _argparse_type(annotation):
+    """int / float / str of a field annotation like ``int | None``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The Megatron-style parser, generated from the :class:`Config` sections."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for _attr, title, section in SECTIONS:
+        group = p.add_argument_group(title)
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            meta = dict(f.metadata)
+            flag = "--" + f.name.replace("_", "-")
+            kind = _argparse_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action="store_true", help=meta.pop("help"))
+            else:
+                group.add_argument(flag, type=kind, default=f.default, **meta)
+    return p

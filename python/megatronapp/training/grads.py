@@ -1,0 +1,98 @@
+"""The one place where a step's gradients are finished.
+
+After the last backward of a step, :func:`finish_gradients` does, in order:
+
+1. **data-parallel reduction** — waits for megatronapp DDP's overlapped
+   (possibly compressed) reductions; a chunk not wrapped in DDP is averaged
+   over the data-parallel group here (SUM, then divide: Gloo's AVG has a
+   known silent bug);
+2. **sequence-parallel sums** — parameters replicated over the tensor group
+   but fed only their sequence shard (LayerNorms, row-parallel biases under
+   SP) hold partial sums: summed over the tensor group;
+3. **tied embeddings** — with the word embeddings on the first and the last
+   pipeline stage, their gradients are summed over the embedding group;
+4. **one global norm** (one host synchronization) and **clipping**.
+
+Full gradients (``param.grad``) and ZeRO-1 shards (the fp32 slice of each
+parameter a :class:`~megatronapp.optimizer.DistributedOptimizer` rank owns)
+take the same path: both are lists of ``(param, grad)`` pairs, and every sum
+above is element-wise, so a shard is summed exactly like the full tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .. import _collectives, gradients
+from ..optimizer import DistributedOptimizer
+from ..parallel_state import ParallelState, resolve_state
+from ..pipeline import GradSync
+
+__all__ = ["finalize_model_grads", "finish_gradients", "clip_grad_norm_"]
+
+
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+@torch.no_grad()
+def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
+                         optimizer=None) -> list:
+    """Steps 1-3 above for `model` (a module or the list of this rank's
+    pipeline chunks). With a :class:`DistributedOptimizer` the sums run on its
+    shards. Returns the finished ``(param, grad)`` pairs. Call it once per
+    step, after the last backward."""
+    state = resolve_state(parallel_state)
+    chunks = _chunks(model)
+    for chunk in chunks:
+        if isinstance(chunk, GradSync):
+            chunk.finish_grad_sync()
+        elif state.dp_size > 1:
+            grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+            _collectives.coalesced_all_reduce_(grads, state.data_group, scale=1.0 / state.dp_size)
+    if isinstance(optimizer, DistributedOptimizer):
+        pairs = optimizer.grad_shards()
+    else:
+        pairs = [(p, p.grad) for c in chunks for p in c.parameters() if p.grad is not None]
+    if state.tp_size > 1:
+        sp = [g for p, g in pairs if getattr(p, "sequence_parallel", False)]
+        if sp:
+            _collectives.coalesced_all_reduce_(sp, state.tensor_group)
+    if state.pp_size > 1 and state.embedding_group is not None:
+        shared = [g for p, g in pairs if getattr(p, "shared_embedding", False)]
+        if shared:
+            _collectives.coalesced_all_reduce_(shared, state.embedding_group)
+    return pairs
+
+
+def _norm_groups(state: ParallelState, optimizer) -> list:
+    """Groups whose members hold disjoint parts of the gradient."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return [optimizer.group, state.model_group]
+    return [state.model_group]
+
+
+@torch.no_grad()
+def finish_gradients(model, optimizer, parallel_state: ParallelState | None = None,
+                     max_norm: float = 0.0) -> float:
+    """Steps 1-4: finishes the gradients of `model` for `optimizer`, clips them
+    to `max_norm` (0: no clipping) and returns the global norm before clipping."""
+    state = resolve_state(parallel_state)
+    pairs = finalize_model_grads(model, state, optimizer=optimizer)
+    norm = gradients.global_norm(pairs, state, _norm_groups(state, optimizer))
+    gradients.clip_([g for _, g in pairs], max_norm, norm)
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    parallel_state: ParallelState | None = None) -> float:
+    """Scales full gradients so that their global L2 norm over the model-parallel
+    group is at most `max_norm`; returns the norm before clipping."""
+    state = resolve_state(parallel_state)
+    pairs = [(p, p.grad) for p in parameters if p.grad is not None]
+    norm = gradients.global_norm(pairs, state, [state.model_group])
+    gradients.clip_([g for _, g in pairs], max_norm, norm)
+    return norm

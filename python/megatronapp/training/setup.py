@@ -1,0 +1,203 @@
+"""Building a run, one explicit function per piece.
+
+    config = Config.from_args(args)
+    init_distributed(config)
+    plan = check_config(config)                 # every rank, before any collective
+    state = build_parallel_state(config, install=True)
+    chunks = build_model_chunks(config, plan, state, vocab_size, device)
+    chunks = wrap_data_parallel(config, chunks, state)
+    optimizer = build_optimizer(config, chunks, state)
+
+:func:`build_run` does all of it and returns a :class:`Run`, the one object the
+step, the loop and the hooks receive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+import torch
+
+from .. import _collectives, memory
+from .. import parallel_state as ps
+from ..comm import Compression
+from ..data import TextDataset, default_corpus, padded_vocab_size
+from ..data_parallel import DistributedDataParallel
+from ..models import GPTConfig, GPTModel
+from ..optimizer import DistributedOptimizer
+from ..parallel_state import ParallelState
+from .config import Config, ConfigError, Plan
+from .step import schedule_for
+
+__all__ = ["Run", "init_distributed", "check_config", "build_parallel_state",
+           "build_model_chunks", "wrap_data_parallel", "build_optimizer", "build_run"]
+
+
+@dataclass
+class Run:
+    """Everything one training run holds (built by :func:`build_run`)."""
+
+    config: Config
+    plan: Plan
+    rank: int
+    world: int
+    state: ParallelState
+    device: torch.device
+    dataset: TextDataset
+    model_config: GPTConfig
+    chunks: list  #: this rank's model chunks, DDP-wrapped
+    optimizer: object
+    schedule: object  #: Schedule or AdaptiveSchedule
+    activation_shape: tuple  #: of the tensors between pipeline stages
+    start_iteration: int = 0
+    extra: dict = field(default_factory=dict)  #: hooks may keep their state here
+
+    def checkpoint_model_config(self) -> dict:
+        """The model fields a checkpoint must agree on."""
+        return {k: getattr(self.model_config, k) for k in (
+            "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length",
+            "ffn_hidden_size", "share_embeddings_and_output_weights")}
+
+    @property
+    def is_logger(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(config: Config) -> None:
+    """Initializes the default process group (no-op if already done). A plain
+    ``python script.py`` is a world of one."""
+    if dist.is_initialized():
+        return
+    backend = config.backend()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+
+
+_FLAG_CHECKS = [0]
+
+
+def check_config(config: Config) -> Plan:
+    """Every rank, before any collective: the ranks' flags agree (compared
+    through the rendezvous store, one message naming each differing flag and
+    its ranks), then :meth:`Config.check`. Raises SystemExit with the reason."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1:
+        _FLAG_CHECKS[0] += 1  # several runs may share one process group
+        store = dist.PrefixStore(f"mapp_flags/{_FLAG_CHECKS[0]}/", _collectives.default_store())
+        store.set(str(rank), json.dumps(config.flat(), sort_keys=True, default=str))
+        everyone = [json.loads(store.get(str(r))) for r in range(world)]
+        diffs = []
+        for key in sorted(everyone[0]):
+            values = {}
+            for r, flags in enumerate(everyone):
+                values.setdefault(json.dumps(flags.get(key)), []).append(r)
+            if len(values) > 1:
+                flag = "--" + key.replace("_", "-")
+                diffs.append(f"{flag}: " + ", ".join(f"{v} on ranks {rs}"
+                                                     for v, rs in values.items()))
+        if diffs:
+            raise SystemExit("the ranks were started with different flags; every rank must get "
+                             "the same command line: " + "; ".join(diffs))
+    try:
+        return config.check(world)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+
+
+def build_parallel_state(config: Config, *, install: bool = False) -> ParallelState:
+    """The (tp, dp, pp) grid and its groups (collective). With ``install`` it
+    also becomes the default of the Megatron-style ``parallel_state`` getters."""
+    par = config.parallel
+    make = ps.initialize_model_parallel if install else ps.create_parallel_state
+    return make(tensor_model_parallel_size=par.tensor_model_parallel_size,
+                pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
+
+
+def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GPTConfig:
+    m = config.model
+    return GPTConfig(
+        vocab_size=padded_vocab_size(tokenizer_vocab, state.tp_size,
+                                     m.make_vocab_size_divisible_by),
+        hidden_size=m.hidden_size, num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, seq_length=m.seq_length,
+        ffn_hidden_size=m.ffn_hidden_size, sequence_parallel=config.parallel.sequence_parallel,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+
+
+def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
+                       device: torch.device) -> list:
+    """This rank's model chunks: chunk c is virtual stage ``c * pp + pp_rank``
+    with the layers the plan gives it."""
+    layout, pp = plan.layer_layout, state.pp_size
+    offsets = [sum(layout[:k]) for k in range(len(layout))]
+    chunks = []
+    for c in range(plan.vpp):
+        vs = c * pp + state.pp_rank
+        chunks.append(GPTModel(cfg, parallel_state=state, pre_process=vs == 0,
+                               post_process=vs == pp * plan.vpp - 1,
+                               layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
+                               seed=config.optim.seed).to(device))
+    return chunks
+
+
+def wrap_data_parallel(config: Config, chunks: list, state: ParallelState) -> list:
+    """Each chunk in megatronapp's DDP (bucketed, overlapped, compressed)."""
+    dp = config.data_parallel
+    compression = (None if dp.grad_compression == "none" else
+                   Compression(dp.grad_compression, dp.grad_compression_start_iter))
+    return [DistributedDataParallel(c, bucket_size_mb=dp.bucket_size_mb, compression=compression,
+                                    overlap_grad_reduce=not dp.no_overlap_grad_reduce,
+                                    parallel_state=state)
+            for c in chunks]
+
+
+def build_optimizer(config: Config, chunks: list, state: ParallelState):
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices only; ZeRO-1
+    sharded with --use-distributed-optimizer."""
+    params = [p for c in chunks for p in c.parameters()]
+    groups = [{"params": [p for p in params if p.dim() >= 2],
+               "weight_decay": config.optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if config.data_parallel.use_distributed_optimizer:
+        return DistributedOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
+                                    lr=config.optim.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95))
+
+
+def build_run(config: Config, hooks=()) -> Run:
+    """Pool, process group, checks, grid, data, model, DDP, optimizer, schedule.
+    `hooks` see the grid (``on_setup``) and the bare model chunks (``on_model``)."""
+    if config.memory.memory_pool:  # before anything allocates (CUDA cannot swap later)
+        memory.use_pool(config.device_type(), policy=config.memory.memory_pool_policy)
+    init_distributed(config)
+    plan = check_config(config)
+    state = build_parallel_state(config, install=True)
+    device = torch.device(config.device_type())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for h in hooks:
+        h.on_setup(config, state, rank, world, device)
+    torch.manual_seed(config.optim.seed)  # same on every rank: the master weights agree
+    dataset = TextDataset(config.data.data_path or default_corpus(), config.model.seq_length)
+    cfg = gpt_config(config, state, dataset.tokenizer.vocab_size)
+    modules = build_model_chunks(config, plan, state, cfg, device)
+    for h in hooks:
+        h.on_model(modules, rank)
+    chunks = wrap_data_parallel(config, modules, state)
+    optimizer = build_optimizer(config, chunks, state)
+    m = config.model
+    seq = m.seq_length // state.tp_size if cfg.sequence_parallel else m.seq_length
+    return Run(config=config, plan=plan, rank=rank, world=world,
+               state=state, device=device, dataset=dataset, model_config=cfg, chunks=chunks,
+               optimizer=optimizer,
+               schedule=schedule_for(config, state.pp_size, plan.microbatches, plan.vpp),
+               activation_shape=(seq, config.optim.micro_batch_size, m.hidden_size))

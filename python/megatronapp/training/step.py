@@ -1,0 +1,112 @@
+"""One training step, and evaluation, through the pipeline executor.
+
+There is one path for every layout: with pipeline parallelism the configured
+schedule runs; with one stage the step is the one-stage 1F1B schedule
+(forward, backward per microbatch), so the loss is computed, averaged and
+reported the same way whatever the layout.
+
+    result = train_step(run, iteration)     # loss, grad norm, lr
+    losses = evaluate(run)                  # per validation batch
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import torch
+
+from .. import trace as tracing
+from ..pipeline import AdaptiveSchedule, current_schedule, forward_backward, make_schedule
+from ..tensor_parallel import vocab_parallel_cross_entropy
+from .grads import finish_gradients
+
+__all__ = ["StepResult", "schedule_for", "lr_at", "train_step", "evaluate"]
+
+
+@dataclass
+class StepResult:
+    loss: float  #: mean over the global batch
+    grad_norm: float  #: before clipping
+    lr: float
+
+
+def schedule_for(config, p: int, m: int, v: int = 1):
+    """The pipeline schedule the flags of `config` ask for (see
+    :func:`megatronapp.pipeline.make_schedule`)."""
+    par = config.parallel
+    return make_schedule(par.pipeline_schedule, p, m, v, policy=par.pipeline_dynamic_policy,
+                         memory_limit=par.pipeline_memory_limit,
+                         replan_interval=par.pipeline_replan_interval)
+
+
+def lr_at(optim, it: int) -> float:
+    """Linear warm-up to ``optim.lr``, then cosine decay to ``optim.min_lr``."""
+    if it < optim.lr_warmup_iters:
+        return optim.lr * (it + 1) / optim.lr_warmup_iters
+    span = max(1, optim.train_iters - optim.lr_warmup_iters)
+    frac = min(1.0, (it - optim.lr_warmup_iters) / span)
+    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
+    """Runs one global batch through this rank's part of the schedule; returns
+    the mean loss over the global batch (the same on every rank)."""
+    cfg, state = run.config, run.state
+    with tracing.scope("data", "data", lane=0):
+        tokens, labels = run.dataset.global_batch(split, it, cfg.optim.global_batch_size,
+                                                  cfg.optim.seed)
+        micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
+                                         state.dp_rank, state.dp_size)
+    device = run.device
+
+    def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
+        return vocab_parallel_cross_entropy(
+            logits.transpose(0, 1), target.to(device).transpose(0, 1),
+            group=state.tensor_group).mean()
+
+    res = forward_backward(current_schedule(run.schedule), run.chunks,
+                           iter([(x.to(device), y) for x, y in micro]), loss_fn,
+                           tensor_shape=run.activation_shape, parallel_state=state,
+                           forward_only=not backward)
+    if backward and isinstance(run.schedule, AdaptiveSchedule):
+        run.schedule.observe(res)
+    # Last stage: the sum of its microbatch losses; every tensor rank holds the
+    # same value, so only tensor rank 0 contributes. One all-reduce over the
+    # world adds the data-parallel ranks' shares; one host sync reads it.
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if res.losses and state.tp_rank == 0:
+        total += torch.stack(res.losses).double().sum()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return float(total) / (len(micro) * state.dp_size)
+
+
+def train_step(run, it: int) -> StepResult:
+    """Iteration `it` (0-based): forward and backward of the global batch,
+    gradients finished (:mod:`.grads`), optimizer step."""
+    lr = lr_at(run.config.optim, it)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = _global_batch_loss(run, "train", it, backward=True)
+    with tracing.scope("optimizer", "optimizer", lane=0):
+        grad_norm = finish_gradients(run.chunks, run.optimizer, run.state,
+                                     run.config.optim.clip_grad)
+        run.optimizer.step()
+    return StepResult(loss, grad_norm, lr)
+
+
+def evaluate(run) -> list:
+    """Validation loss of each of the ``--eval-iters`` validation batches."""
+    for c in run.chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            return [_global_batch_loss(run, "valid", i, backward=False)
+                    for i in range(run.config.optim.eval_iters)]
+    finally:
+        for c in run.chunks:
+            c.train()

@@ -1,0 +1,153 @@
+"""The package's import graph: no cycles, calls go down only, and no module
+reads another module's private names (static analysis of the sources)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "python" / "megatronapp"
+#: Package-private modules meant to be shared inside the package.
+SHARED_PRIVATE = {"megatronapp._C", "megatronapp._collectives"}
+
+
+def _modules() -> dict:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, is_pkg: bool, level: int, target: str | None) -> str:
+    base = module.split(".")
+    if level:
+        base = base[: len(base) - level + (1 if is_pkg else 0)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(module: str) -> list:
+    """(imported module, imported name or None, line) of every import."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names
+                    if a.name.startswith("megatronapp")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and not (node.module or "").startswith("megatronapp"):
+                continue
+            src = _resolve(module, is_pkg, node.level, node.module) if node.level else node.module
+            for a in node.names:
+                sub = f"{src}.{a.name}"
+                if sub in MODULES or sub in SHARED_PRIVATE:
+                    out.append((sub, None, node.lineno))  # a submodule
+                else:
+                    out.append((src, a.name, node.lineno))
+    return out
+
+
+def _ancestors(module: str) -> list:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]  # the root excluded
+
+
+def _graph() -> dict:
+    """module -> modules its import statements run (function-level imports
+    included). Importing ``a.b.c`` first runs the packages ``a.b`` above it,
+    unless the importer already lives inside them."""
+    graph = {m: set() for m in MODULES}
+    for m in MODULES:
+        own = set(_ancestors(m)) | {m}
+        for target, _name, _line in _imports(m):
+            for t in [*_ancestors(target), target]:
+                if t in MODULES and t not in own and t != "megatronapp":
+                    graph[m].add(t)
+    return graph
+
+
+def _find_cycle(graph: dict):
+    color, stack = {}, []
+
+    def visit(n):
+        color[n] = 1
+        stack.append(n)
+        for d in sorted(graph[n]):
+            if color.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in color:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        color[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in color:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def depth(graph: dict) -> int:
+    """Longest import chain (modules on it), the package root excluded."""
+    memo = {}
+
+    def d(n):
+        if n not in memo:
+            memo[n] = 1 + max((d(x) for x in graph[n]), default=0)
+        return memo[n]
+
+    return max(d(n) for n in graph if n != "megatronapp")
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert depth(graph) <= 12, f"import graph depth {depth(graph)}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_of_other_modules(module):
+    bad = []
+    for target, name, line in _imports(module):
+        if target == module:
+            continue
+        if name is not None and name.startswith("_"):
+            bad.append(f"line {line}: from {target} import {name}")
+        elif name is None and target.rsplit(".", 1)[-1].startswith("_") \
+                and target not in SHARED_PRIVATE:
+            bad.append(f"line {line}: imports private module {target}")
+    assert not bad, f"{module} reads private names of other modules: {bad}"
+
+
+def test_layers_call_down_only():
+    """The low layers never import the training edge or the executor's users."""
+    graph = _graph()
+
+    def reaches(a, b, seen=None):
+        seen = seen or set()
+        if a == b:
+            return True
+        seen.add(a)
+        return any(reaches(x, b, seen) for x in graph[a] if x not in seen)
+
+    for low in ("megatronapp.pipeline.executor", "megatronapp.data_parallel",
+                "megatronapp.optimizer", "megatronapp.checkpoint", "megatronapp.models.gpt",
+                "megatronapp.tensor_parallel.layers", "megatronapp.autograd"):
+        assert not reaches(low, "megatronapp.training"), f"{low} imports the training edge"
+    assert not reaches("megatronapp.pipeline.executor", "megatronapp.data_parallel")
+    assert not reaches("megatronapp.data_parallel", "megatronapp.pipeline")
