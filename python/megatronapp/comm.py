@@ -22,7 +22,7 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.mapp)
 
 __all__ = ["Compression", "parse_compression", "CompressedAllReduce", "all_reduce",
-           "reduce_scatter"]
+           "reduce_scatter", "codec_state", "wait"]
 
 
 @dataclass(frozen=True)
@@ -55,24 +55,15 @@ def parse_compression(value: None | str | Compression) -> Compression | None:
     raise ValueError(f"compression must be a spec string or a Compression, got {value!r}")
 
 
-def codec_state(spec: str, numel: int, world: int, layout: list, device,
-                seed: int = 0) -> list:
-    """Fresh state tensors of a codec for a `numel` buffer over `world` ranks:
-    zero residuals, and PowerSGD's Q drawn from `seed` (identical on every rank)."""
-    flat = torch.ops.mapp.codec_state_shapes(spec, numel, world, layout)
-    shapes, i = [], 0
-    while i < len(flat):
-        nd = flat[i]
-        shapes.append(tuple(flat[i + 1: i + 1 + nd]))
-        i += 1 + nd
-    out = []
-    gen = torch.Generator().manual_seed(seed)
-    for k, shape in enumerate(shapes):
-        if spec.startswith("powersgd") and k > 0:  # Q: identical random start on every rank
-            out.append(torch.randn(shape, generator=gen).to(device))
-        else:
-            out.append(torch.zeros(shape, dtype=torch.float32, device=device))
-    return out
+def codec_state(spec: str, numel: int, world: int = 1, layout: list | None = None,
+                device=None, seed: int = 0) -> list:
+    """Fresh state tensors of a codec for a `numel` buffer over `world` ranks
+    (``torch.ops.mapp.codec_state``): zero error-feedback residuals, and
+    PowerSGD's Q drawn from `seed` (identical on every rank). `layout` lists
+    the flattened (offset, rows, cols) of the matrices in the buffer; codecs
+    other than PowerSGD ignore it."""
+    return torch.ops.mapp.codec_state(spec, numel, world, list(layout or []), seed,
+                                      torch.device(device) if device is not None else None)
 
 
 class CompressedAllReduce:
@@ -113,24 +104,28 @@ class CompressedAllReduce:
         flat = tensor.view(-1)
         spec, state = self._args(flat)
         raw, sent = torch.ops.mapp.compressed_all_reduce_(
-            flat, spec, state, self.layout if spec.startswith("powersgd") else [], average,
-            self.group.group_name)
+            flat, spec, state, self.layout, average, self.group.group_name)
         self.calls += 1
         return {"raw_bytes": raw, "sent_bytes": sent}
 
-    def start(self, tensor: torch.Tensor, *, average: bool = True) -> int:
-        """Asynchronous version: returns a handle for :func:`wait`."""
+    def start(self, tensor: torch.Tensor, *, average: bool = True):
+        """Asynchronous version: returns a ``CommWork`` (``work.is_completed()``,
+        ``work.wait(timeout_ms)``; or :func:`wait`). Do not touch `tensor`
+        until it is waited for."""
         flat = tensor.view(-1)
         spec, state = self._args(flat)
-        handle = torch.ops.mapp.compressed_all_reduce_async(
-            flat, spec, state, self.layout if spec.startswith("powersgd") else [], average,
-            self.group.group_name)
+        work = torch.ops.mapp.compressed_all_reduce_async(
+            flat, spec, state, self.layout, average, self.group.group_name)
         self.calls += 1
-        return handle
+        return work
 
 
-def wait(handle: int) -> dict:
-    raw, sent = torch.ops.mapp.wait_comm(handle)
+def wait(work, timeout: float | None = None) -> dict:
+    """Waits for a ``CommWork`` at most `timeout` seconds (default
+    MAPP_COLLECTIVE_TIMEOUT_S; then an error naming the operation, group and
+    job); returns {raw_bytes, sent_bytes}. On CUDA the caller's current stream
+    is ordered after the work, so its results are safe to use there."""
+    raw, sent = work.wait(-1 if timeout is None else int(timeout * 1000))
     return {"raw_bytes": raw, "sent_bytes": sent}
 
 
@@ -154,6 +149,6 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
     c = parse_compression(compression)
     spec = c.spec if c else "none"
     flat = tensor.reshape(-1)
-    state = codec_state(spec, flat.numel(), group.size(), [], tensor.device)
+    state = codec_state(spec, flat.numel(), group.size(), None, tensor.device)
     return torch.ops.mapp.compressed_reduce_scatter(flat, spec, state, [], average,
                                                     group.group_name)

@@ -67,11 +67,11 @@ class Bucket:
     dtype: torch.dtype
     grad_data: torch.Tensor
     param_data: torch.Tensor | None = None  # ZeRO-1: params are views into this
-    layout: list = field(default_factory=list)  # (offset, rows, cols) of 2-D params
+    layout: list = field(default_factory=list)  # flattened (offset, rows, cols) of 2-D params
     state: dict = field(default_factory=dict)  # codec spec -> state tensors
     shard: torch.Tensor | None = None  # ZeRO-1: this rank's averaged fp32 grad chunk
     ready: set = field(default_factory=set)
-    handle: int | None = None
+    handle: object | None = None  # the CommWork of the reduction in flight
     raw_bytes: int = 0
     sent_bytes: int = 0
     exact: bool = False  # never compressed (TP-replicated parameters)
@@ -188,7 +188,7 @@ class DistributedDataParallel(nn.Module):
         for p in params:
             offsets.append(n)
             if p.dim() == 2:
-                layout.append((n, p.shape[0], p.shape[1]))
+                layout += [n, p.shape[0], p.shape[1]]
             n += p.numel()
         dtype, device = params[0].dtype, params[0].device
         grad = torch.zeros(n, dtype=dtype, device=device)
@@ -302,15 +302,14 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, b: Bucket) -> None:
         spec = self._spec(b)
-        self._codec_state(b, spec)
-        state, layout = b.state[spec]
+        state = self._codec_state(b, spec)
         name = self.group.group_name
         if self._zero:
             b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
-                b.grad_data, spec, state, layout, b.shard, True, name)
+                b.grad_data, spec, state, b.layout, b.shard, True, name)
         else:
             b.handle = torch.ops.mapp.compressed_all_reduce_async(
-                b.grad_data, spec, state, layout, True, name)
+                b.grad_data, spec, state, b.layout, True, name)
 
     def _launch_ready(self) -> None:
         while (self._next_bucket < len(self.buckets)
@@ -331,7 +330,7 @@ class DistributedDataParallel(nn.Module):
         with _trace.scope("dp_wait", "collective", lane=0):  # the training thread waits
             for b in self.buckets:
                 if b.handle is not None:
-                    b.raw_bytes, b.sent_bytes = torch.ops.mapp.wait_comm(b.handle)
+                    b.raw_bytes, b.sent_bytes = b.handle.wait()
                     b.handle = None
                     step["raw_bytes"] += b.raw_bytes
                     step["sent_bytes"] += b.sent_bytes
@@ -358,7 +357,7 @@ class DistributedDataParallel(nn.Module):
         PowerSGD's Q; per rank, meaningful only under the same layout)."""
         tensors = {}
         for b in self.buckets:
-            for spec, (state, _layout) in b.state.items():
+            for spec, state in b.state.items():
                 for i, t in enumerate(state):
                     tensors[f"b{b.index}/{spec}/{i}"] = t.detach()
         return {"synchronized_steps": self._sync_steps, "tensors": tensors}
@@ -375,10 +374,9 @@ class DistributedDataParallel(nn.Module):
 
     def _codec_state(self, b: Bucket, spec: str) -> list:
         if spec not in b.state:
-            layout = [v for t in b.layout for v in t] if spec.startswith("powersgd") else []
-            b.state[spec] = (codec_state(spec, b.grad_data.numel(), self.world, layout,
-                                         b.grad_data.device, seed=b.index), layout)
-        return b.state[spec][0]
+            b.state[spec] = codec_state(spec, b.grad_data.numel(), self.world, b.layout,
+                                        b.grad_data.device, seed=b.index)
+        return b.state[spec]
 
     # state_dict / parameters pass through to the wrapped module
     def state_dict(self, *args, **kwargs):

@@ -1,85 +1,25 @@
 #include "mapp/torch/compressed.h"
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <deque>
-#include <future>
-#include <map>
-#include <mutex>
-#include <thread>
 
 #include "c10d_util.h"
+#include "codec_dispatch.h"
 #include "mapp/common/check.h"
 #include "mapp/trace/tracer.h"
-#ifdef MAPP_WITH_CUDA_KERNELS
-#include <c10/cuda/CUDAStream.h>
-
-#include "mapp/kernels/codec.cuh"
-#endif
 
 namespace mapp::torch_ext {
 namespace {
 
 using codec::Kind;
 using codec::Spec;
+using internal::decode;
+using internal::encode;
+using internal::encode_into;
 using internal::resolve;
 using internal::run;
-
-void check_float_1d(const at::Tensor& t, const char* what) {
-  MAPP_CHECK(t.dim() == 1 && t.is_contiguous(), what, ": expected a contiguous 1-D tensor, got ",
-             t.sizes());
-  MAPP_CHECK(at::isFloatingType(t.scalar_type()), what, ": expected floating point, got ",
-             t.scalar_type());
-}
-
-// ---- encode / decode on either device --------------------------------------------
-
-// Encodes x (with the residual `err` when given) into `out` (uint8, exactly
-// encoded_bytes long).
-void encode_into(const Spec& spec, const at::Tensor& x, const at::Tensor* err, at::Tensor out) {
-  const std::int64_t n = x.numel();
-  if (x.is_cuda()) {
-#ifdef MAPP_WITH_CUDA_KERNELS
-    const cudaError_t e = kernels::codec_encode(
-        spec, x.data_ptr<float>(), err ? err->data_ptr<float>() : nullptr, n,
-        out.data_ptr<std::uint8_t>(), c10::cuda::getCurrentCUDAStream().stream());
-    if (e != cudaSuccess) MAPP_FAIL_BACKEND("codec encode kernel: ", cudaGetErrorString(e));
-#else
-    MAPP_CHECK(false, "this build has no CUDA kernels; rebuild with the CUDA toolkit");
-#endif
-  } else {
-    codec::encode_with_feedback(spec, x.data_ptr<float>(), err ? err->data_ptr<float>() : nullptr,
-                                n, out.data_ptr<std::uint8_t>());
-  }
-}
-
-at::Tensor encode(const Spec& spec, const at::Tensor& x, const at::Tensor* err) {
-  at::Tensor out = at::empty({static_cast<std::int64_t>(codec::encoded_bytes(spec, x.numel()))},
-                             x.options().dtype(at::kByte));
-  encode_into(spec, x, err, out);
-  return out;
-}
-
-void decode(const Spec& spec, const at::Tensor& payload, at::Tensor& out, bool accumulate) {
-  const std::int64_t n = out.numel();
-  if (out.is_cuda()) {
-#ifdef MAPP_WITH_CUDA_KERNELS
-    const cudaError_t e =
-        kernels::codec_decode(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>(),
-                              accumulate, c10::cuda::getCurrentCUDAStream().stream());
-    if (e != cudaSuccess) MAPP_FAIL_BACKEND("codec decode kernel: ", cudaGetErrorString(e));
-#else
-    MAPP_CHECK(false, "this build has no CUDA kernels; rebuild with the CUDA toolkit");
-#endif
-  } else if (accumulate) {
-    codec::decode_add(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>());
-  } else {
-    codec::decode(spec, payload.data_ptr<std::uint8_t>(), n, out.data_ptr<float>());
-  }
-}
 
 void check_state(const std::vector<at::Tensor>& state,
                  const std::vector<std::vector<std::int64_t>>& shapes, const Spec& spec) {
@@ -237,6 +177,13 @@ std::int64_t round_up(std::int64_t a, std::int64_t b) { return (a + b - 1) / b *
 
 }  // namespace
 
+void check_float_1d(const at::Tensor& t, const char* what) {
+  MAPP_CHECK(t.dim() == 1 && t.is_contiguous(), what, ": expected a contiguous 1-D tensor, got ",
+             t.sizes());
+  MAPP_CHECK(at::isFloatingType(t.scalar_type()), what, ": expected floating point, got ",
+             t.scalar_type());
+}
+
 std::int64_t padded_chunk(const Spec& spec, std::int64_t n, std::int64_t world) {
   return round_up(std::max<std::int64_t>(n, 1), world * spec.alignment()) / world;
 }
@@ -339,195 +286,57 @@ at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
   return mine;
 }
 
-// ---- the communication threads ----------------------------------------------------
-
-namespace {
-
-class AsyncEngine {
- public:
-  std::int64_t submit(const std::string& group, std::function<CommStats()> job) {
-    std::packaged_task<CommStats()> task(std::move(job));
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::int64_t handle = next_++;
-    futures_.emplace(handle, task.get_future());
-    Worker& w = workers_[group];
-    if (!w.started) {  // exactly one thread per group keeps its collectives in order
-      w.started = true;
-      std::thread([&w] { w.loop(); }).detach();  // blocked collectives must not hang exit
-    }
-    {
-      std::lock_guard<std::mutex> wl(w.mu);
-      w.queue.push_back(std::move(task));
-    }
-    w.cv.notify_one();
-    return handle;
-  }
-
-  CommStats wait(std::int64_t handle) {
-    std::future<CommStats> f;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = futures_.find(handle);
-      MAPP_CHECK(it != futures_.end(), "unknown or already waited communication handle ",
-                 handle);
-      f = std::move(it->second);
-      futures_.erase(it);
-    }
-    return f.get();
-  }
-
- private:
-  struct Worker {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<std::packaged_task<CommStats()>> queue;
-    bool started = false;
-    void loop() {
-      trace::set_thread_lane(trace::kCommLane);
-      for (;;) {
-        std::packaged_task<CommStats()> task;
-        {
-          std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [this] { return !queue.empty(); });
-          task = std::move(queue.front());
-          queue.pop_front();
-        }
-        task();  // exceptions are stored in the future
-      }
-    }
-  };
-  std::mutex mu_;
-  std::int64_t next_ = 1;
-  std::map<std::int64_t, std::future<CommStats>> futures_;
-  std::map<std::string, Worker> workers_;  // node-based: Worker addresses stay valid
-};
-
-AsyncEngine& engine() {
-  static AsyncEngine* e = new AsyncEngine;  // leaked: threads may outlive statics
-  return *e;
-}
-
-std::vector<std::int64_t> to_vec(const CommStats& s) { return {s.raw_bytes, s.sent_bytes}; }
-
-std::vector<std::int64_t> op_all_reduce(at::Tensor buf, const std::string& spec,
-                                        std::vector<at::Tensor> state,
-                                        std::vector<std::int64_t> layout, bool average,
-                                        const std::string& group) {
-  return to_vec(compressed_all_reduce(buf, Spec::parse(spec), state, layout, average, group));
-}
-
-std::int64_t op_all_reduce_async(at::Tensor buf, const std::string& spec,
-                                 std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
-                                 bool average, const std::string& group) {
-  const Spec s = Spec::parse(spec);
+c10::intrusive_ptr<CommWork> compressed_all_reduce_async(at::Tensor buf,
+                                                         const CompressedOptions& opts,
+                                                         std::vector<at::Tensor> state) {
   check_float_1d(buf, "compressed_all_reduce_async");
-  return submit_async(group, [=]() mutable {
+  std::vector<at::Tensor> tensors = state;
+  tensors.push_back(buf);
+  return submit("dp bucket all-reduce", opts.group_name, tensors, [=]() mutable {
     trace::Scope scope("dp bucket all-reduce", trace::Category::kCollective);
     scope.event().bytes = buf.nbytes();
-    return compressed_all_reduce(buf, s, state, layout, average, group);
+    return compressed_all_reduce(buf, opts.spec, state, opts.layout, opts.average,
+                                 opts.group_name);
   });
 }
 
-at::Tensor op_reduce_scatter(const at::Tensor& buf, const std::string& spec,
-                             std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
-                             bool average, const std::string& group) {
-  return compressed_reduce_scatter(buf, Spec::parse(spec), state, layout, average, group, nullptr);
-}
-
-std::int64_t op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
-                                     std::vector<at::Tensor> state,
-                                     std::vector<std::int64_t> layout, at::Tensor out,
-                                     bool average, const std::string& group) {
-  const Spec s = Spec::parse(spec);
+c10::intrusive_ptr<CommWork> compressed_reduce_scatter_async(at::Tensor buf, at::Tensor out,
+                                                             const CompressedOptions& opts,
+                                                             std::vector<at::Tensor> state) {
   check_float_1d(buf, "compressed_reduce_scatter_async");
-  return submit_async(group, [=]() mutable {
+  std::vector<at::Tensor> tensors = state;
+  tensors.push_back(buf);
+  tensors.push_back(out);
+  return submit("dp bucket reduce-scatter", opts.group_name, tensors, [=]() mutable {
     trace::Scope scope("dp bucket reduce-scatter", trace::Category::kCollective);
     scope.event().bytes = buf.nbytes();
     CommStats st;
-    at::Tensor mine = compressed_reduce_scatter(buf, s, state, layout, average, group, &st);
+    at::Tensor mine = compressed_reduce_scatter(buf, opts.spec, state, opts.layout, opts.average,
+                                                opts.group_name, &st);
     out.copy_(mine);
     return st;
   });
 }
 
-std::vector<std::int64_t> op_wait(std::int64_t handle) { return to_vec(wait_async(handle)); }
-
-std::int64_t op_padded_chunk(const std::string& spec, std::int64_t n, std::int64_t world) {
-  return padded_chunk(Spec::parse(spec), n, world);
-}
-
-std::vector<std::int64_t> op_state_shapes(const std::string& spec, std::int64_t n,
-                                          std::int64_t world, std::vector<std::int64_t> layout) {
-  std::vector<std::int64_t> flat;  // (ndim, dims...) per tensor
-  for (const auto& s : state_shapes(Spec::parse(spec), n, world, layout)) {
-    flat.push_back(static_cast<std::int64_t>(s.size()));
-    flat.insert(flat.end(), s.begin(), s.end());
+std::vector<at::Tensor> codec_state(const codec::Spec& spec, std::int64_t n, std::int64_t world,
+                                    const std::vector<std::int64_t>& layout, std::int64_t seed,
+                                    const at::TensorOptions& options) {
+  MAPP_CHECK(n >= 0 && world >= 1, "codec_state: need n >= 0 and world >= 1, got n=", n,
+             ", world=", world);
+  const auto shapes = state_shapes(spec, n, world, layout);
+  std::vector<at::Tensor> out;
+  // PowerSGD's Q: the same random start on every rank, drawn on the CPU from
+  // `seed` (one generator, matrices in layout order) and then moved.
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(seed));
+  for (std::size_t k = 0; k < shapes.size(); ++k) {
+    if (spec.kind == codec::Kind::kPowerSGD && k > 0) {
+      out.push_back(at::randn(shapes[k], gen, at::TensorOptions().dtype(at::kFloat))
+                        .to(options.dtype(at::kFloat)));
+    } else {
+      out.push_back(at::zeros(shapes[k], options.dtype(at::kFloat)));
+    }
   }
-  return flat;
-}
-
-at::Tensor op_encode(const at::Tensor& x, const std::string& spec, std::optional<at::Tensor> err) {
-  const Spec s = Spec::parse(spec);
-  MAPP_CHECK(s.elementwise(), "codec_encode takes an element-wise codec, got ", spec);
-  check_float_1d(x, "codec_encode");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (err) {
-    MAPP_CHECK(err->sizes() == x.sizes() && err->scalar_type() == at::kFloat && err->is_contiguous(),
-               "codec_encode: err must be a contiguous float32 tensor shaped like x");
-  }
-  return encode(s, xf, err ? &*err : nullptr);
-}
-
-at::Tensor op_decode(const at::Tensor& payload, const std::string& spec, std::int64_t n) {
-  const Spec s = Spec::parse(spec);
-  MAPP_CHECK(s.elementwise(), "codec_decode takes an element-wise codec, got ", spec);
-  MAPP_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() &&
-                 payload.numel() == static_cast<std::int64_t>(codec::encoded_bytes(s, n)),
-             "codec_decode: a ", spec, " payload of ", n, " elements has ",
-             codec::encoded_bytes(s, n), " bytes, got ", payload.numel());
-  at::Tensor out = at::empty({n}, payload.options().dtype(at::kFloat));
-  decode(s, payload, out, false);
   return out;
 }
 
-}  // namespace
-
-std::int64_t submit_async(const std::string& group_name, std::function<CommStats()> job) {
-  return engine().submit(group_name, std::move(job));
-}
-
-CommStats wait_async(std::int64_t handle) {
-  try {
-    return engine().wait(handle);
-  } catch (const ValueError&) {
-    throw;
-  } catch (const StateError&) {
-    throw;
-  } catch (const std::exception& e) {
-    MAPP_FAIL_BACKEND("asynchronous gradient reduction failed: ", e.what());
-  }
-}
-
 }  // namespace mapp::torch_ext
-
-TORCH_LIBRARY_FRAGMENT(mapp, m) {
-  m.def("codec_encode(Tensor x, str spec, Tensor? err=None) -> Tensor",
-        &mapp::torch_ext::op_encode);
-  m.def("codec_decode(Tensor payload, str spec, int n) -> Tensor", &mapp::torch_ext::op_decode);
-  m.def("codec_state_shapes(str spec, int n, int world, int[] layout) -> int[]",
-        &mapp::torch_ext::op_state_shapes);
-  m.def("compressed_all_reduce_(Tensor(a!) buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> int[]",
-        &mapp::torch_ext::op_all_reduce);
-  m.def("compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> int",
-        &mapp::torch_ext::op_all_reduce_async);
-  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> Tensor",
-        &mapp::torch_ext::op_reduce_scatter);
-  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "Tensor out, bool average, str group_name) -> int",
-        &mapp::torch_ext::op_reduce_scatter_async);
-  m.def("wait_comm(int handle) -> int[]", &mapp::torch_ext::op_wait);
-  m.def("codec_padded_chunk(str spec, int n, int world) -> int", &mapp::torch_ext::op_padded_chunk);
-}

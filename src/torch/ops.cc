@@ -1,13 +1,16 @@
 // Operator registration: schemas in the `mapp` namespace and their CPU /
 // device-generic kernels. CUDA kernels register in cuda_ops.cc.
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
+#include "codec_dispatch.h"
 #include "mapp/common/check.h"
-#include "mapp/tp/cross_entropy.h"
+#include "mapp/torch/compressed.h"
 #include "mapp/torch/ops.h"
+#include "mapp/tp/cross_entropy.h"
 
 namespace mapp::torch_ext {
 namespace {
@@ -60,6 +63,101 @@ at::Tensor vocab_ce_local_stats(const at::Tensor& logits, const at::Tensor& targ
   return op.call(logits, target, vocab_start);
 }
 
+// ---- compressed collectives ------------------------------------------------------
+
+using codec::Spec;
+using Work = c10::intrusive_ptr<CommWork>;
+
+std::vector<std::int64_t> to_vec(const CommStats& s) { return {s.raw_bytes, s.sent_bytes}; }
+
+CompressedOptions options(const std::string& spec, std::vector<std::int64_t> layout,
+                          bool average, const std::string& group) {
+  return CompressedOptions{Spec::parse(spec), std::move(layout), average, group};
+}
+
+std::vector<std::int64_t> op_all_reduce(at::Tensor buf, const std::string& spec,
+                                        std::vector<at::Tensor> state,
+                                        std::vector<std::int64_t> layout, bool average,
+                                        const std::string& group) {
+  return to_vec(compressed_all_reduce(buf, Spec::parse(spec), state, layout, average, group));
+}
+
+Work op_all_reduce_async(at::Tensor buf, const std::string& spec, std::vector<at::Tensor> state,
+                         std::vector<std::int64_t> layout, bool average,
+                         const std::string& group) {
+  return compressed_all_reduce_async(buf, options(spec, std::move(layout), average, group),
+                                     std::move(state));
+}
+
+at::Tensor op_reduce_scatter(const at::Tensor& buf, const std::string& spec,
+                             std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
+                             bool average, const std::string& group) {
+  return compressed_reduce_scatter(buf, Spec::parse(spec), state, layout, average, group, nullptr);
+}
+
+Work op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
+                             std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
+                             at::Tensor out, bool average, const std::string& group) {
+  return compressed_reduce_scatter_async(buf, out, options(spec, std::move(layout), average, group),
+                                         std::move(state));
+}
+
+std::vector<std::int64_t> work_wait(const Work& work, std::int64_t timeout_ms) {
+  return to_vec(timeout_ms < 0 ? work->wait() : work->wait(std::chrono::milliseconds(timeout_ms)));
+}
+
+std::vector<std::int64_t> op_wait(const Work& work, std::int64_t timeout_ms) {
+  return work_wait(work, timeout_ms);
+}
+
+std::int64_t op_padded_chunk(const std::string& spec, std::int64_t n, std::int64_t world) {
+  return padded_chunk(Spec::parse(spec), n, world);
+}
+
+std::vector<std::int64_t> op_state_shapes(const std::string& spec, std::int64_t n,
+                                          std::int64_t world, std::vector<std::int64_t> layout) {
+  std::vector<std::int64_t> flat;  // (ndim, dims...) per tensor
+  for (const auto& s : state_shapes(Spec::parse(spec), n, world, layout)) {
+    flat.push_back(static_cast<std::int64_t>(s.size()));
+    flat.insert(flat.end(), s.begin(), s.end());
+  }
+  return flat;
+}
+
+std::vector<at::Tensor> op_codec_state(const std::string& spec, std::int64_t n,
+                                       std::int64_t world, std::vector<std::int64_t> layout,
+                                       std::int64_t seed, std::optional<at::Device> device) {
+  return codec_state(Spec::parse(spec), n, world, layout, seed,
+                     at::TensorOptions().device(device.value_or(at::kCPU)));
+}
+
+using internal::decode;
+using internal::encode;
+
+at::Tensor op_encode(const at::Tensor& x, const std::string& spec, std::optional<at::Tensor> err) {
+  const Spec s = Spec::parse(spec);
+  MAPP_CHECK(s.elementwise(), "codec_encode takes an element-wise codec, got ", spec);
+  check_float_1d(x, "codec_encode");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (err) {
+    MAPP_CHECK(err->sizes() == x.sizes() && err->scalar_type() == at::kFloat && err->is_contiguous(),
+               "codec_encode: err must be a contiguous float32 tensor shaped like x");
+  }
+  return encode(s, xf, err ? &*err : nullptr);
+}
+
+at::Tensor op_decode(const at::Tensor& payload, const std::string& spec, std::int64_t n) {
+  const Spec s = Spec::parse(spec);
+  MAPP_CHECK(s.elementwise(), "codec_decode takes an element-wise codec, got ", spec);
+  MAPP_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() &&
+                 payload.numel() == static_cast<std::int64_t>(codec::encoded_bytes(s, n)),
+             "codec_decode: a ", spec, " payload of ", n, " elements has ",
+             codec::encoded_bytes(s, n), " bytes, got ", payload.numel());
+  at::Tensor out = at::empty({n}, payload.options().dtype(at::kFloat));
+  decode(s, payload, out, false);
+  return out;
+}
+
 at::Tensor vocab_ce_local_stats_cpu_checked(const at::Tensor& logits, const at::Tensor& target,
                                             std::int64_t vocab_start) {
   check_ce_shapes(logits, target);
@@ -91,6 +189,37 @@ TORCH_LIBRARY(mapp, m) {
   m.def("reduce_scatter(Tensor self, int dim, str group_name) -> Tensor");
   m.def("group_size(str group_name) -> int", &mapp::torch_ext::group_size);
   m.def("vocab_ce_local_stats(Tensor logits, Tensor target, int vocab_start) -> Tensor");
+
+  // Compressed collectives (compressed.h) and their asynchronous works (comm_engine.h).
+  using mapp::torch_ext::CommWork;
+  m.class_<CommWork>("CommWork")
+      .def("wait", &mapp::torch_ext::work_wait, "", {torch::arg("timeout_ms") = -1})
+      .def("is_completed", [](const c10::intrusive_ptr<CommWork>& w) { return w->is_completed(); })
+      .def("description",
+           [](const c10::intrusive_ptr<CommWork>& w) { return w->description(); });
+  m.def("codec_encode(Tensor x, str spec, Tensor? err=None) -> Tensor",
+        &mapp::torch_ext::op_encode);
+  m.def("codec_decode(Tensor payload, str spec, int n) -> Tensor", &mapp::torch_ext::op_decode);
+  m.def("codec_state_shapes(str spec, int n, int world, int[] layout) -> int[]",
+        &mapp::torch_ext::op_state_shapes);
+  m.def("codec_state(str spec, int numel, int world=1, int[] layout=[], int seed=0, "
+        "Device? device=None) -> Tensor[]",
+        &mapp::torch_ext::op_codec_state);
+  m.def("codec_padded_chunk(str spec, int n, int world) -> int", &mapp::torch_ext::op_padded_chunk);
+  m.def("compressed_all_reduce_(Tensor(a!) buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> int[]",
+        &mapp::torch_ext::op_all_reduce);
+  m.def("compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
+        &mapp::torch_ext::op_all_reduce_async);
+  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "bool average, str group_name) -> Tensor",
+        &mapp::torch_ext::op_reduce_scatter);
+  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+        "Tensor out, bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
+        &mapp::torch_ext::op_reduce_scatter_async);
+  m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
+        &mapp::torch_ext::op_wait);
 }
 
 // Collectives are device-generic: c10d picks the backend from the tensor.

@@ -31,13 +31,9 @@
 #include <vector>
 
 #include "mapp/codec/codec.h"
+#include "mapp/torch/comm_engine.h"
 
 namespace mapp::torch_ext {
-
-struct CommStats {
-  std::int64_t raw_bytes = 0;   // bytes an uncompressed fp32 ring all-reduce would send
-  std::int64_t sent_bytes = 0;  // bytes this rank actually sent
-};
 
 // Shapes of the state tensors for a buffer of n elements over `world` ranks.
 // layout: flattened (offset, rows, cols) triples of the matrices (PowerSGD).
@@ -61,11 +57,24 @@ at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const codec::Spec& s
 // Elements per chunk after padding n for W ranks and the codec's alignment.
 std::int64_t padded_chunk(const codec::Spec& spec, std::int64_t n, std::int64_t world);
 
-// Runs `job` on the group's communication thread (jobs of one group run in
-// submission order, so ranks that submit in the same order stay matched) and
-// returns a handle for wait_async.
-std::int64_t submit_async(const std::string& group_name, std::function<CommStats()> job);
-// Blocks until the job is done; rethrows its error.
-CommStats wait_async(std::int64_t handle);
+// The same, asynchronously on the group's communication thread
+// (comm_engine.h): `buf` (and `out`) must not be touched until the work is
+// waited for.
+c10::intrusive_ptr<CommWork> compressed_all_reduce_async(at::Tensor buf,
+                                                         const CompressedOptions& opts,
+                                                         std::vector<at::Tensor> state);
+// Writes this rank's chunk into `out` (float32, padded length / W).
+c10::intrusive_ptr<CommWork> compressed_reduce_scatter_async(at::Tensor buf, at::Tensor out,
+                                                             const CompressedOptions& opts,
+                                                             std::vector<at::Tensor> state);
+
+// Fresh state tensors of a codec for a buffer of n elements over `world` ranks
+// (zero residuals; PowerSGD's Q drawn from `seed`, the same on every rank).
+std::vector<at::Tensor> codec_state(const codec::Spec& spec, std::int64_t n, std::int64_t world,
+                                    const std::vector<std::int64_t>& layout, std::int64_t seed,
+                                    const at::TensorOptions& options);
+
+// Throws unless `t` is a contiguous 1-D floating tensor.
+void check_float_1d(const at::Tensor& t, const char* what);
 
 }  // namespace mapp::torch_ext

@@ -297,10 +297,6 @@ class Config:
         ck = self.checkpoint
         if ck.save_interval is not None and ck.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
-        if ck.save_interval and not ck.save:
-            raise ConfigError("--save-interval needs --save DIR")
-        if ck.async_save and not ck.save:
-            raise ConfigError("--async-save needs --save DIR")
         if not ck.no_watchdog and world_size > 1 and ck.watchdog_timeout <= 2.0:
             raise ConfigError(f"--watchdog-timeout must exceed 2 s (twice the heartbeat), "
                               f"got {ck.watchdog_timeout}")
