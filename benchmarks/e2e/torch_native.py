@@ -174,7 +174,7 @@ def train(args, callbacks=None) -> dict:
 
     from megatronapp.data import TextDataset, default_corpus, padded_vocab_size
     from megatronapp.models import GPTConfig
-    from megatronapp.pretrain import _lr_at
+    from megatronapp.training import lr_at
 
     world = dist.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -311,7 +311,7 @@ def train(args, callbacks=None) -> dict:
             callbacks.begin(it)
         t0 = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = _lr_at(args, it)
+            g["lr"] = lr_at(args, it)
         opt.zero_grad(set_to_none=True)
         loss = batch_loss("train", it, True)
         norm = clip(args.clip_grad)

@@ -13,7 +13,17 @@ import os as _os
 
 import torch as _torch  # noqa: F401  (loads libtorch before our library)
 
-from . import _C, comm, data_parallel, memory, models, optimizer, parallel_state, tensor_parallel  # noqa: E402,I001
+from . import (  # noqa: E402,I001
+    _C,
+    comm,
+    data_parallel,
+    memory,
+    models,
+    optimizer,
+    parallel_state,
+    tensor_parallel,
+    training,  # noqa: E402
+)
 from ._C import RankGrid
 from .parallel_state import (
     ParallelState,
@@ -45,4 +55,5 @@ __all__ = [
     "optimizer",
     "parallel_state",
     "tensor_parallel",
+    "training",
 ]

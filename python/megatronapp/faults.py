@@ -1,5 +1,8 @@
 """Fault injection for tests and demos (docs/tracing.md).
 
+The variables are declared in the tunables table (src/common/tunables.cc) and
+listed by ``python -m megatronapp``; this module parses their values.
+
 ``MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward"`` emulates a
 down-clocked device on global rank 1: every transformer layer's forward
 (``phase=forward``), backward (``backward``) or both (``all``) does `factor`
@@ -21,13 +24,15 @@ from __future__ import annotations
 import os
 import time
 
+from . import _C
+
 __all__ = ["slowdown", "link_delay", "apply_slowdown", "maybe_kill"]
 
 _PHASES = ("forward", "backward", "all")
 
 
 def _parse(var: str, keys: dict) -> dict | None:
-    text = os.environ.get(var, "").strip()
+    text = _C.tunable(var).strip()  # declared with the other tunables (python -m megatronapp)
     if not text:
         return None
     out = {}

@@ -20,7 +20,7 @@ import argparse
 
 import torch.distributed as dist
 
-from .training import Config, ConfigError, train
+from .training import train
 from .training import build_parser as _build_parser
 
 __all__ = ["build_parser", "train", "main"]
@@ -28,15 +28,6 @@ __all__ = ["build_parser", "train", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     return _build_parser(__doc__.splitlines()[0])
-
-
-def _validate(args, world: int) -> list[int]:
-    """Checks the configuration for `world` ranks without any collective;
-    returns the layers per virtual pipeline stage (SystemExit if it cannot run)."""
-    try:
-        return Config.from_args(args).check(world).layer_layout
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
 
 
 def main(argv=None) -> None:

@@ -15,6 +15,14 @@ const std::vector<Tunable>& tunables() {
       {"MAPP_COLLECTIVE_TIMEOUT_S", "300",
        "seconds a blocking collective of ours may wait before it fails with an "
        "error naming the operation and group"},
+      // Fault injection (python/megatronapp/faults.py parses the values).
+      {"MAPP_INJECT_SLOWDOWN", "",
+       "fault injection: 'rank=R,factor=F[,phase=forward|backward|all]' makes rank R's "
+       "transformer layers F times slower"},
+      {"MAPP_INJECT_KILL", "",
+       "fault injection: 'rank=R,iteration=I' SIGKILLs rank R at the start of iteration I"},
+      {"MAPP_INJECT_LINK_DELAY", "",
+       "fault injection: 'rank=R,peer=P,ms=M' delays every pipeline message R->P by M ms"},
   };
   return table;
 }

@@ -39,6 +39,9 @@ void register_common(py::module_& m) {
     return out;
   }, "[(name, value, default, meaning)] for every MAPP_* variable");
   m.def("describe_tunables", &mapp::describe_tunables);
+  m.def("tunable", &mapp::tunable_string, py::arg("name"),
+        "value of a declared MAPP_* variable: the environment if set and non-empty, else "
+        "its default (an unknown name is an error)");
   m.def("registered_ops", &mapp::torch_ext::registered_ops);
   m.def("built_with_cuda", &mapp::torch_ext::built_with_cuda);
 }

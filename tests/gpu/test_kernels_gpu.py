@@ -109,3 +109,29 @@ def test_codec_kernels_match_cpu_reference(spec, n):
     # decoding on the GPU equals decoding on the CPU for the same payload
     torch.testing.assert_close(torch.ops.mapp.codec_decode(want.cuda(), spec, n).cpu(),
                                torch.ops.mapp.codec_decode(want, spec, n), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device_index", [0, 1])
+def test_comm_work_orders_after_the_producer_stream_and_before_the_consumer(device_index):
+    """The worker thread waits for the caller's stream before reading, runs on
+    the tensors' device, and the caller's stream waits for the worker: a
+    buffer still being written by a slow kernel is reduce-scattered only after
+    it, and the result is right on the caller's stream."""
+    if device_index >= torch.cuda.device_count():
+        pytest.skip(f"needs {device_index + 1} CUDA devices")
+    import torch.distributed as dist
+
+    _single_rank_nccl()
+    dev = torch.device("cuda", device_index)
+    side = torch.cuda.Stream(device=dev)
+    with torch.cuda.device(dev), torch.cuda.stream(side):
+        buf = torch.zeros(1 << 20, device=dev)
+        out = torch.empty(1 << 20, device=dev)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write
+        buf.fill_(3.0)
+        work = torch.ops.mapp.compressed_reduce_scatter_async(
+            buf, "none", [], [], out, False, dist.group.WORLD.group_name)
+        work.wait()
+        got = out.sum().item()  # on the side stream, after the work
+    assert got == 3.0 * (1 << 20)
+    assert work.is_completed()

@@ -45,7 +45,7 @@ def _works(rank, world):
 def test_comm_work_wait_timeout_and_errors():
     res = run_ranks(_works, 2)
     want = torch.arange(8, dtype=torch.float32) * 3  # 1x + 2x
-    for r, out in enumerate(res):
+    for out in res:
         assert torch.equal(out["x"], want)
         assert out["completed"] and out["again"] == [out["stats"]["raw_bytes"],
                                                       out["stats"]["sent_bytes"]]

@@ -97,8 +97,9 @@ def test_gpt_pipeline_losses_match_single_process(reference_losses_4layers, tmp_
      "expected comma-separated layer counts"),
 ])
 def test_bad_pipeline_configuration_is_rejected_before_any_collective(world, extra, message):
-    from megatronapp.pretrain import _validate, build_parser
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, ConfigError
 
     args = build_parser().parse_args(FLAGS + extra)
-    with pytest.raises(SystemExit, match=message):
-        _validate(args, world)
+    with pytest.raises(ConfigError, match=message):
+        Config.from_args(args).check(world)
