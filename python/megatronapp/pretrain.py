@@ -20,8 +20,8 @@ import argparse
 
 import torch.distributed as dist
 
-from .training import train
 from .training import build_parser as _build_parser
+from .training import train
 
 __all__ = ["build_parser", "train", "main"]
 
