@@ -177,3 +177,39 @@ def test_killing_the_writer_never_breaks_latest(tmp_path):
             assert last is None or it >= 1
             last = it
     assert last is not None  # at least one checkpoint committed across the kills
+
+
+def test_files_of_the_first_format_still_read(tmp_path):
+    """tests/python/data/format_v1.safetensors was written by the hand-written
+    writer of format 1 (before the safetensors package was used)."""
+    import shutil
+
+    from megatronapp.checkpoint.format import CheckpointError, read, write
+
+    path = os.path.join(os.path.dirname(__file__), "data", "format_v1.safetensors")
+    tensors, meta = read(path)
+    assert meta["rank"] == "3" and meta["iteration"] == "42"
+    assert torch.equal(tensors["a/f32"], torch.arange(12, dtype=torch.float32).reshape(3, 4) / 4)
+    assert torch.equal(tensors["b/bf16"], torch.arange(5, dtype=torch.bfloat16) - 2)
+    assert tensors["c/i64"].item() == 7 and tensors["c/i64"].dim() == 0
+    assert torch.equal(tensors["d/u8"], torch.arange(3, dtype=torch.uint8))
+    assert tensors["e/empty"].shape == (0, 2)
+    # Its CRCs are checked too.
+    bad = tmp_path / "bad.safetensors"
+    shutil.copy(path, bad)
+    blob = bytearray(bad.read_bytes())
+    blob[-30] ^= 0x01
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read(str(bad))
+    # A round trip through the new writer gives the same tensors (views of one
+    # buffer included) and a file any safetensors reader opens.
+    from safetensors.torch import load_file
+
+    buf = torch.arange(10, dtype=torch.float32)
+    out = tmp_path / "new.safetensors"
+    write(str(out), {"x": buf[:4].view(2, 2), "y": buf[4:], **tensors}, {"iteration": 1})
+    again, meta2 = read(str(out))
+    assert torch.equal(again["x"], buf[:4].view(2, 2)) and torch.equal(again["y"], buf[4:])
+    assert json.loads(meta2["iteration"]) == 1
+    assert set(load_file(str(out))) == {"x", "y", *tensors}
