@@ -82,26 +82,50 @@ void plain_all_reduce(at::Tensor& x, const std::string& group, c10d::ProcessGrou
   st.sent_bytes += 2 * (pg.getSize() - 1) * x.numel() * 4 / pg.getSize();
 }
 
+// The k entries of largest magnitude of the compensated gradient (CPU: the
+// core's codec::topk_encode; CUDA: at::topk), all-gathered as (index, value)
+// payloads and scatter-added. What is sent leaves the residual.
 void topk_all_reduce(const Spec& spec, at::Tensor& x, at::Tensor& err, const std::string& group,
                      c10d::ProcessGroup& pg, CommStats& st) {
   const std::int64_t n = x.numel(), k = codec::topk_count(spec, n), world = pg.getSize();
   err.add_(x);  // err holds the compensated gradient x' = x + err
-  at::Tensor idx = std::get<1>(at::topk(err.abs(), k, 0, true, false));
-  idx = std::get<0>(at::sort(idx));
-  at::Tensor val = err.index_select(0, idx);
-  err.index_fill_(0, idx, 0.0);  // what is sent leaves the residual
-  at::Tensor payload = at::cat({idx.to(at::kInt).view(at::kByte), val.view(at::kByte)});
-  at::Tensor all = at::empty({world * payload.numel()}, payload.options());
+  const std::int64_t pb = 8 * k;  // k int32 indices, then k float32 values
+  at::Tensor payload = at::empty({pb}, x.options().dtype(at::kByte));
+  if (x.is_cuda()) {
+    at::Tensor idx = std::get<1>(at::topk(err.abs(), k, 0, true, false));
+    idx = std::get<0>(at::sort(idx));
+    payload.narrow(0, 0, 4 * k).copy_(idx.to(at::kInt).view(at::kByte));
+    payload.narrow(0, 4 * k, 4 * k).copy_(err.index_select(0, idx).view(at::kByte));
+    err.index_fill_(0, idx, 0.0);
+  } else {
+    codec::topk_encode(err.data_ptr<float>(), n, k, payload.data_ptr<std::uint8_t>());
+    const auto* idx = reinterpret_cast<const std::int32_t*>(payload.data_ptr<std::uint8_t>());
+    float* e = err.data_ptr<float>();
+    for (std::int64_t i = 0; i < k; ++i) e[idx[i]] = 0.f;
+  }
+  at::Tensor all = at::empty({world * pb}, payload.options());
   run("top-k all-gather", group, [&] { return pg._allgather_base(all, payload); });
-  st.sent_bytes += (world - 1) * payload.numel();
+  st.sent_bytes += (world - 1) * pb;
   x.zero_();
-  const std::int64_t pb = payload.numel();
   for (std::int64_t i = 0; i < world; ++i) {
     at::Tensor p = all.narrow(0, i * pb, pb);
-    at::Tensor ri = p.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong);
-    at::Tensor rv = p.narrow(0, 4 * k, 4 * k).view(at::kFloat);
-    x.index_add_(0, ri, rv);
+    if (x.is_cuda()) {
+      at::Tensor ri = p.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong);
+      x.index_add_(0, ri, p.narrow(0, 4 * k, 4 * k).view(at::kFloat));
+    } else {
+      codec::topk_decode_add(p.data_ptr<std::uint8_t>(), k, n, x.data_ptr<float>());
+    }
   }
+}
+
+// Orthonormal columns of p [rows, r] (CPU: the core's codec::gram_schmidt;
+// CUDA: a reduced QR). Both give the same column space; PowerSGD's result
+// P P^T M does not depend on the columns' signs.
+at::Tensor orthonormalize(const at::Tensor& p) {
+  if (p.is_cuda()) return std::get<0>(at::linalg_qr(p, "reduced"));
+  at::Tensor q = p.contiguous().clone();
+  codec::gram_schmidt(q.data_ptr<float>(), q.size(0), q.size(1));
+  return q;
 }
 
 void powersgd_all_reduce(const Spec& spec, at::Tensor& x, const std::vector<at::Tensor>& state,
@@ -148,7 +172,7 @@ void powersgd_all_reduce(const Spec& spec, at::Tensor& x, const std::vector<at::
       const std::int64_t n = ps[i].numel();
       at::Tensor p = pflat.narrow(0, at_, n).view(ps[i].sizes());
       at_ += n;
-      ps[i] = std::get<0>(at::linalg_qr(p, "reduced"));  // orthonormal columns
+      ps[i] = orthonormalize(p);
       local_qs.push_back(at::matmul(ms[i].t(), ps[i]));  // [cols, r]
     }
     std::vector<at::Tensor> flat_qs;

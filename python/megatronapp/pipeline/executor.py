@@ -59,6 +59,8 @@ class GradSync(Protocol):
         """Completes the step's reduction (waits for it)."""
 
 _COMPUTE = ("F", "B", "BI", "W")
+#: Trace event names of the compute actions (what slow-rank causes read).
+_TRACE_NAMES = {"F": "forward", "B": "backward", "BI": "backward-input", "W": "backward-weight"}
 
 
 @dataclass
@@ -309,7 +311,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                                 stash[(mb, c)] = (x, None)
                 times[a.type].append(time.perf_counter() - t0)
                 if p2p.trace:
-                    busy.record(a.type, "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
+                    busy.record(_TRACE_NAMES[a.type], "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
         p2p.finish()
         for d in syncs:
             if d is not None and not forward_only:
