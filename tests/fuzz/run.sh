@@ -9,7 +9,7 @@ OUT=build/fuzz
 mkdir -p "$OUT"
 FLAGS="-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude"
 clang++ $FLAGS tests/fuzz/schedule_fuzz.cc src/pipeline/*.cc -o "$OUT/schedule_fuzz"
-clang++ $FLAGS tests/fuzz/alloc_trace_fuzz.cc src/memory/trace.cc src/memory/pool.cc \
+clang++ $FLAGS tests/fuzz/alloc_trace_fuzz.cc src/memory/trace.cc src/memory/pool.cc src/memory/pool_segments.cc src/memory/pool_validate.cc \
   src/memory/host_device.cc src/common/tunables.cc src/common/log.cc -lspdlog -lfmt \
   -o "$OUT/alloc_trace_fuzz"
 python3 tests/fuzz/seeds.py "$OUT"

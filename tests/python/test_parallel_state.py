@@ -107,3 +107,15 @@ def test_rank_grid_binding():
     assert sorted(sum(g.groups(["dp"]), [])) == list(range(16))
     with pytest.raises(ValueError, match="world size 16"):
         mapp.RankGrid(16, tp=3)
+
+
+def test_errors_name_repository_paths_not_the_build_machine():
+    import pathlib
+
+    import megatronapp as mapp
+
+    with pytest.raises(ValueError) as e:
+        mapp.RankGrid(3, tp=2)
+    msg = str(e.value)
+    assert "[src/topology/rank_grid.cc:" in msg, msg
+    assert str(pathlib.Path(__file__).resolve().parents[2]) not in msg  # the checkout

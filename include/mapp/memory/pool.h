@@ -103,7 +103,7 @@
 namespace mapp {
 
 class AllocTraceRecorder;
-struct PoolThreadCache;  // pool.cc (Note [Thread cache])
+struct PoolThreadCache;  // src/memory/pool_internal.h (Note [Thread cache])
 
 // Allocation failed after releasing cached memory. Derives from
 // std::runtime_error (Python: RuntimeError / torch.OutOfMemoryError at the edge).
