@@ -30,6 +30,7 @@ from .setup import (
     build_run,
     check_config,
     init_distributed,
+    install_memory_pool,
     wrap_data_parallel,
 )
 from .step import StepResult, evaluate, lr_at, schedule_for, train_step
@@ -37,5 +38,5 @@ from .step import StepResult, evaluate, lr_at, schedule_for, train_step
 __all__ = ["Config", "ConfigError", "Hook", "Plan", "Run", "StepResult", "build_model_chunks",
            "build_optimizer", "build_parallel_state", "build_parser", "build_run",
            "check_config", "clip_grad_norm_", "default_hooks", "evaluate", "finalize_model_grads",
-           "finish_gradients", "init_distributed", "lr_at", "schedule_for", "train",
-           "train_step", "wrap_data_parallel"]
+           "finish_gradients", "init_distributed", "install_memory_pool", "lr_at",
+           "schedule_for", "train", "train_step", "wrap_data_parallel"]

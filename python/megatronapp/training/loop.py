@@ -17,7 +17,7 @@ from .. import trace as tracing
 from ..pipeline import current_schedule
 from .config import Config
 from .hooks import CallbacksHook, default_hooks
-from .setup import Run, build_run, init_distributed
+from .setup import Run, build_run, init_distributed, install_memory_pool
 from .step import evaluate, train_step
 
 __all__ = ["train", "resume", "save"]
@@ -30,8 +30,7 @@ def train(args, callbacks=None, hooks=()) -> dict:
     `callbacks`: an object with ``begin(it)`` / ``end(it, record)``; `hooks`:
     more :class:`~megatronapp.training.hooks.Hook` objects."""
     config = Config.from_args(args)
-    if config.memory.memory_pool:  # before anything allocates (CUDA cannot swap later)
-        memory.use_pool(config.device_type(), policy=config.memory.memory_pool_policy)
+    install_memory_pool(config)  # before anything allocates
     init_distributed(config)
     hooks = [*default_hooks(config, dist.get_world_size()),
              *([CallbacksHook(callbacks)] if callbacks is not None else []), *hooks]

@@ -34,7 +34,7 @@ from ..parallel_state import ParallelState
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
-__all__ = ["Run", "init_distributed", "check_config", "build_parallel_state",
+__all__ = ["Run", "install_memory_pool", "init_distributed", "check_config", "build_parallel_state",
            "build_model_chunks", "wrap_data_parallel", "build_optimizer", "build_run"]
 
 
@@ -80,6 +80,14 @@ def init_distributed(config: Config) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
+
+
+def install_memory_pool(config: Config) -> None:
+    """--memory-pool: serve this process's tensor memory from megatronapp's
+    pool. Call it first, before anything allocates (CUDA cannot swap
+    allocators later); :func:`~megatronapp.training.train` does."""
+    if config.memory.memory_pool:
+        memory.use_pool(config.device_type(), policy=config.memory.memory_pool_policy)
 
 
 _FLAG_CHECKS = [0]
@@ -175,10 +183,9 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
 
 
 def build_run(config: Config, hooks=()) -> Run:
-    """Pool, process group, checks, grid, data, model, DDP, optimizer, schedule.
+    """Process group, checks, grid, data, model, DDP, optimizer, schedule (the
+    memory pool, if wanted, is installed before: :func:`install_memory_pool`).
     `hooks` see the grid (``on_setup``) and the bare model chunks (``on_model``)."""
-    if config.memory.memory_pool:  # before anything allocates (CUDA cannot swap later)
-        memory.use_pool(config.device_type(), policy=config.memory.memory_pool_policy)
     init_distributed(config)
     plan = check_config(config)
     state = build_parallel_state(config, install=True)
