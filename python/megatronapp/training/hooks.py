@@ -80,11 +80,7 @@ class Hook:
 class FaultInjectionHook(Hook):
     """MAPP_INJECT_SLOWDOWN on the transformer layers, MAPP_INJECT_KILL per iteration."""
 
-    def __init__(self):
-        self.rank = 0
-
     def on_model(self, modules, rank):
-        self.rank = rank
         faults.apply_slowdown([layer for m in modules for layer in m.layers], rank)
 
     def on_iteration_begin(self, run, it):

@@ -206,5 +206,5 @@ def build_run(config: Config, hooks=()) -> Run:
     return Run(config=config, plan=plan, rank=rank, world=world,
                state=state, device=device, dataset=dataset, model_config=cfg, chunks=chunks,
                optimizer=optimizer,
-               schedule=schedule_for(config, state.pp_size, plan.microbatches, plan.vpp),
+               schedule=schedule_for(config, state.pp_size, plan.microbatches, plan.vpp, state),
                activation_shape=(seq, config.optim.micro_batch_size, m.hidden_size))

@@ -33,13 +33,14 @@ class StepResult:
     lr: float
 
 
-def schedule_for(config, p: int, m: int, v: int = 1):
+def schedule_for(config, p: int, m: int, v: int = 1, parallel_state=None):
     """The pipeline schedule the flags of `config` ask for (see
     :func:`megatronapp.pipeline.make_schedule`)."""
     par = config.parallel
     return make_schedule(par.pipeline_schedule, p, m, v, policy=par.pipeline_dynamic_policy,
                          memory_limit=par.pipeline_memory_limit,
-                         replan_interval=par.pipeline_replan_interval)
+                         replan_interval=par.pipeline_replan_interval,
+                         parallel_state=parallel_state)
 
 
 def lr_at(optim, it: int) -> float:
