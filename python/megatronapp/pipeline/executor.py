@@ -171,6 +171,34 @@ class _DelayedSend:
         return self._work.wait()
 
 
+class _Batches:
+    """The microbatches drawn so far, by index (drawn on first use)."""
+
+    def __init__(self, data_iterator):
+        self.it, self.items = data_iterator, []
+
+    def __call__(self, mb: int):
+        while len(self.items) <= mb:
+            if self.it is None:
+                raise ValueError("forward_backward: this stage needs data but data_iterator is None")
+            self.items.append(next(self.it))
+        return self.items[mb]
+
+
+def _recv_peers(actions):
+    """index of an F / B / BI action -> the peer stage its input comes from
+    (from this stage's RECV actions)."""
+    peers = {}  # (kind, mb, chunk) -> peer stage
+    for a in actions:
+        if a.type in ("RECV_ACT", "RECV_GRAD"):
+            peers[(0 if a.type == "RECV_ACT" else 1, a.microbatch, a.chunk)] = a.peer
+
+    def peer_of(i):
+        a = actions[i]
+        return peers[(0 if a.type == "F" else 1, a.microbatch, a.chunk)]
+    return peer_of
+
+
 def _final_backwards(actions, chunks: int) -> set:
     """Indices of the actions during which a chunk's DDP must synchronize: its
     last B/BI (gradients of non-deferred parameters) and its last B/W (matmul
@@ -226,23 +254,8 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     final = set() if forward_only else _final_backwards(actions, v)
     syncs = [c if isinstance(c, GradSync) else None for c in chunks]
     last_vs = p * v - 1
-    batches: list = []
-
-    def batch(mb):
-        while len(batches) <= mb:
-            if data_iterator is None:
-                raise ValueError("forward_backward: this stage needs data but data_iterator is None")
-            batches.append(next(data_iterator))
-        return batches[mb]
-
-    recv_peer = {}  # (kind, mb, chunk) -> peer stage, from this stage's RECV actions
-    for a in actions:
-        if a.type in ("RECV_ACT", "RECV_GRAD"):
-            recv_peer[(0 if a.type == "RECV_ACT" else 1, a.microbatch, a.chunk)] = a.peer
-
-    def a_peer(i):
-        a = actions[i]
-        return recv_peer[(0 if a.type == "F" else 1, a.microbatch, a.chunk)]
+    batch = _Batches(data_iterator)
+    a_peer = _recv_peers(actions)
 
     stash: dict = {}  # (mb, chunk) -> (input, output)
     wstore: dict = {}  # (mb, chunk) -> WeightGradStore
