@@ -21,8 +21,12 @@ DEMO_ITERS   ?= 300
 
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
+# ccache keys on paths relative to the checkout: clones and the sdist test share hits.
+export CCACHE_BASEDIR   := $(CURDIR)
+# Torch and CUDA libraries come from the torch wheel: never grafted into ours.
+WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup build demo test lint test-cpp test-python bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -59,7 +63,7 @@ demo: build
 	  --use-distributed-optimizer --memory-pool --eval-interval 25 \
 	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
 
-test: build lint test-cpp test-python
+test: build lint test-cpp test-python test-install
 
 lint:
 	$(VENV)/bin/ruff check python tests benchmarks examples
@@ -69,6 +73,21 @@ test-cpp:
 
 test-python:
 	$(PY) -m pytest -q tests/python tests/gpu
+
+# ---- release ----------------------------------------------------------------
+# dist/: an sdist and a manylinux wheel (auditwheel repair; torch/CUDA excluded).
+wheel: setup
+	rm -rf dist build/wheel-raw
+	$(PY) -m build --sdist --no-isolation --outdir dist .
+	MAPP_BUILD_TESTS=OFF $(PY) -m pip wheel -q --no-build-isolation --no-deps -C build-dir=build/wheel \
+	  -w build/wheel-raw .
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDES) -w dist \
+	  build/wheel-raw/megatronapp-*.whl
+	@ls -l dist
+
+# The wheel and sdist in a clean environment (tests/install/run.sh).
+test-install: wheel
+	tests/install/run.sh
 
 # ---- more -----------------------------------------------------------------
 bench-codecs: build

@@ -13,6 +13,18 @@ import os as _os
 
 import torch as _torch  # noqa: F401  (loads libtorch before our library)
 
+try:  # written at build time (CMake): the torch this build was compiled against
+    from ._build_info import torch_version as __torch_version__
+except ImportError:  # a source tree that was never built: _C will say so
+    __torch_version__ = None
+if __torch_version__ is not None and \
+        __torch_version__.split("+")[0] != _torch.__version__.split("+")[0]:
+    raise ImportError(
+        f"megatronapp was built against torch {__torch_version__} but torch "
+        f"{_torch.__version__} is installed; its C++ extension needs the same torch (the ABI "
+        f"changes between releases): pip install torch=={__torch_version__.split('+')[0]}, or "
+        "rebuild megatronapp against this torch (pip install --no-build-isolation .)")
+
 from . import (  # noqa: E402,I001
     _C,
     comm,
@@ -33,13 +45,18 @@ from .parallel_state import (
     model_parallel_is_initialized,
 )
 
-__version__ = "0.1.0"
+try:  # written by setuptools-scm at build time from the git tag (vX.Y.Z)
+    from ._version import version as __version__
+except ImportError:  # a source tree that was never built
+    __version__ = "0.0.0+unknown"
 
 #: Directory to add to CMAKE_PREFIX_PATH so that C++ trainers can
 #: `find_package(megatronapp CONFIG)` against this installation.
 cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "lib", "cmake")
 
 __all__ = [
+    "__torch_version__",
+    "__version__",
     "ParallelState",
     "RankGrid",
     "cmake_prefix_path",

@@ -6,7 +6,8 @@ from megatronapp import _C
 
 
 def main() -> None:
-    print(f"megatronapp {mapp.__version__} (torch {torch.__version__}, "
+    print(f"megatronapp {mapp.__version__} (built against torch {mapp.__torch_version__}, "
+          f"running torch {torch.__version__}, "
           f"CUDA kernels built: {_C.built_with_cuda()}, CUDA available: "
           f"{torch.cuda.is_available()})")
     print("operators:", ", ".join(_C.registered_ops()))

@@ -35,14 +35,13 @@ def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: 
 
 
 def default_corpus() -> str:
-    """Path of the public-domain corpus shipped with the repository."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "..", "..", "data", "kjv_excerpt.txt"),
-                      os.path.join(here, "data", "kjv_excerpt.txt")):
-        if os.path.exists(candidate):
-            return os.path.normpath(candidate)
-    raise FileNotFoundError(
-        "the bundled corpus data/kjv_excerpt.txt was not found; pass --data-path FILE")
+    """Path of the public-domain corpus shipped inside the package
+    (``megatronapp/assets/kjv_excerpt.txt``; see the README there)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "kjv_excerpt.txt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the bundled corpus {path} is missing (a broken installation?); "
+                                "reinstall megatronapp or pass --data-path FILE")
+    return path
 
 
 class TextDataset:

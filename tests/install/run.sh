@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The released artifacts as a user gets them (make test-install; part of make test):
+#  1. the wheel carries a manylinux tag (auditwheel show);
+#  2. it installs into a fresh virtual environment (torch from the pip cache);
+#  3. its console entry point trains on 2 ranks outside the checkout, with the
+#     bundled corpus (no --data-path);
+#  4. a C++ trainer builds against the installed CMake package and runs;
+#  5. the sdist builds a wheel in that clean environment.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+WORK=$ROOT/build/install-test
+rm -rf "$WORK"
+mkdir -p "$WORK"
+wheel=$(ls "$ROOT"/dist/megatronapp-*manylinux*.whl | head -n 1)
+sdist=$(ls "$ROOT"/dist/megatronapp-*.tar.gz | head -n 1)
+
+echo "== 1. tag: $(basename "$wheel")"
+"$ROOT/.venv/bin/auditwheel" show "$wheel" > "$WORK/auditwheel.txt"
+grep -o '"manylinux_2_[0-9]*_x86_64"' "$WORK/auditwheel.txt" | head -n 1
+
+echo "== 2. fresh virtual environment"
+python3 -m venv "$WORK/venv"
+"$WORK/venv/bin/python" -m pip install -q --upgrade pip
+"$WORK/venv/bin/python" -m pip install -q "$wheel"
+"$WORK/venv/bin/megatronapp-info" > "$WORK/info.txt"
+sed -n 1p "$WORK/info.txt"
+
+echo "== 3. megatronapp-pretrain on 2 ranks, outside the checkout"
+run=$(mktemp -d)
+trap 'rm -rf "$run"' EXIT
+(cd "$run" && OMP_NUM_THREADS=1 "$WORK/venv/bin/torchrun" --nproc-per-node 2 \
+   --master-addr 127.0.0.1 --master-port 29540 "$WORK/venv/bin/megatronapp-pretrain" \
+   --tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
+   --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --eval-iters 1 \
+   --no-progress --output-dir out)
+"$WORK/venv/bin/python" - "$run/out/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["tp"] == 2 and s["iterations"] == 3 and s["final_loss"] < s["first_loss"], s
+print(f"trained: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+PY
+
+echo "== 4. C++ trainer against the installed package"
+prefix=$("$WORK/venv/bin/python" -c 'import megatronapp; print(megatronapp.cmake_prefix_path)')
+torch_prefix=$("$WORK/venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+cmake -S tests/consumer_torch -B "$WORK/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  "-DCMAKE_PREFIX_PATH=$prefix;$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 > "$WORK/consumer.log"
+cmake --build "$WORK/consumer" >> "$WORK/consumer.log"
+"$WORK/consumer/consumer_torch"
+
+echo "== 5. the sdist builds a wheel in the clean environment"
+"$WORK/venv/bin/python" -m pip install -q scikit-build-core setuptools-scm
+mkdir -p "$WORK/sdist"
+tar -xzf "$sdist" -C "$WORK/sdist"
+src=$(ls -d "$WORK"/sdist/megatronapp-*/)
+MAPP_BUILD_TESTS=OFF "$WORK/venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps \
+  -C build-dir=build/py -w "$WORK/from-sdist" "$src"
+ls "$WORK"/from-sdist/megatronapp-*.whl
+echo "install test passed"
