@@ -153,7 +153,7 @@ def replay(path: str, policy: str = "ours", *, expandable_segments: bool = True,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megatronapp.memory",
+    p = argparse.ArgumentParser(prog="megatronapp-memory",
                                 description="Replay allocation traces through pool policies.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="compare policies on recorded traces")
