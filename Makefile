@@ -21,8 +21,6 @@ DEMO_ITERS   ?= 300
 
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
-# ccache keys on paths relative to the checkout: clones and the sdist test share hits.
-export CCACHE_BASEDIR   := $(CURDIR)
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
