@@ -1,15 +1,17 @@
 """Building a run, one explicit function per piece.
 
     config = Config.from_args(args)
+    install_memory_pool(config)                 # --memory-pool: before anything allocates
     init_distributed(config)
     plan = check_config(config)                 # every rank, before any collective
     state = build_parallel_state(config, install=True)
-    chunks = build_model_chunks(config, plan, state, vocab_size, device)
+    gpt = gpt_config(config, state, tokenizer_vocab_size)
+    chunks = build_model_chunks(config, plan, state, gpt, device)
     chunks = wrap_data_parallel(config, chunks, state)
     optimizer = build_optimizer(config, chunks, state)
 
-:func:`build_run` does all of it and returns a :class:`Run`, the one object the
-step, the loop and the hooks receive.
+:func:`build_run` does all of it but the pool and returns a :class:`Run`, the
+one object the step, the loop and the hooks receive.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from ..parallel_state import ParallelState
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
-__all__ = ["Run", "install_memory_pool", "init_distributed", "check_config", "build_parallel_state",
-           "build_model_chunks", "wrap_data_parallel", "build_optimizer", "build_run"]
+__all__ = ["Run", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
+           "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "build_optimizer",
+           "build_run"]
 
 
 @dataclass
