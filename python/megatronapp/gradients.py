@@ -1,8 +1,7 @@
 """Gradient norm and clipping over a model-parallel model: the one
 implementation, for full gradients and ZeRO-1 shards alike.
 
-    norm = gradients.global_norm(pairs, state, groups=[state.model_group])
-    gradients.clip_(grads, max_norm, norm)
+    norm = gradients.clip_grad_norm_(pairs, max_norm, state, groups=[state.model_group])
 
 `pairs` are ``(param, grad)``: ``grad`` is the parameter's full gradient or
 the slice of it this rank owns (ZeRO-1). Which pairs count is decided by
@@ -25,7 +24,7 @@ from . import _collectives
 from .parallel_state import ParallelState
 from .tensor_parallel.utils import is_tensor_parallel
 
-__all__ = ["counted", "global_norm", "clip_"]
+__all__ = ["counted", "global_norm", "clip_", "clip_grad_norm_"]
 
 
 def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
@@ -59,3 +58,13 @@ def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     `max_norm` (no-op when ``max_norm <= 0`` or the norm is already below)."""
     if max_norm > 0 and norm > max_norm and grads:
         torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+
+
+def clip_grad_norm_(pairs, max_norm: float, state: ParallelState | None,
+                    groups: list[dist.ProcessGroup], device: torch.device | None = None) -> float:
+    """:func:`global_norm` of `pairs`, then :func:`clip_` of all their
+    gradients; returns the norm before clipping."""
+    pairs = list(pairs)
+    norm = global_norm(pairs, state, groups, device)
+    clip_([g for _, g in pairs], max_norm, norm)
+    return norm

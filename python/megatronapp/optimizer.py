@@ -69,6 +69,7 @@ class _Piece:
     lo: int  # range in bucket coordinates
     hi: int
     shard_lo: int  # the same range relative to this rank's chunk
+    param_lo: int  # the same range relative to the parameter
     main: torch.Tensor  # float32 copy the inner optimizer updates
 
 
@@ -108,7 +109,7 @@ class DistributedOptimizer:
                 if lo >= hi:
                     continue
                 main = b.param_data[lo:hi].detach().float().clone()
-                self._pieces.append(_Piece(b, p, lo, hi, lo - s_lo, main))
+                self._pieces.append(_Piece(b, p, lo, hi, lo - s_lo, lo - off, main))
                 by_group[options.get(p, 0)].append(main)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
@@ -134,12 +135,10 @@ class DistributedOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient L2 norm from the shards (tensor-parallel shards count
         on every tp rank, replicated parameters once); scales if above max_norm."""
-        pairs = self.grad_shards()
         groups = [self.group] + ([self.state_mp.model_group] if self.state_mp else [])
-        norm = gradients.global_norm(pairs, self.state_mp, groups,
-                                     device=self.buckets[0].shard.device if self.buckets else None)
-        gradients.clip_([g for _, g in pairs], max_norm, norm)
-        return norm
+        return gradients.clip_grad_norm_(
+            self.grad_shards(), max_norm, self.state_mp, groups,
+            device=self.buckets[0].shard.device if self.buckets else None)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -173,13 +172,8 @@ class DistributedOptimizer:
 
     def shards(self) -> list:
         """This rank's :class:`Shard` of every parameter it updates."""
-        out = []
-        for pc in self._pieces:
-            off = pc.bucket.offsets[next(i for i, q in enumerate(pc.bucket.params)
-                                         if q is pc.param)]
-            out.append(Shard(pc.param, pc.lo - off, pc.hi - off, pc.main,
-                             self.optimizer.state.setdefault(pc.main, {})))
-        return out
+        return [Shard(pc.param, pc.param_lo, pc.param_lo + pc.hi - pc.lo, pc.main,
+                      self.optimizer.state.setdefault(pc.main, {})) for pc in self._pieces]
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -106,10 +106,6 @@ std::vector<std::int64_t> work_wait(const Work& work, std::int64_t timeout_ms) {
   return to_vec(timeout_ms < 0 ? work->wait() : work->wait(std::chrono::milliseconds(timeout_ms)));
 }
 
-std::vector<std::int64_t> op_wait(const Work& work, std::int64_t timeout_ms) {
-  return work_wait(work, timeout_ms);
-}
-
 std::int64_t op_padded_chunk(const std::string& spec, std::int64_t n, std::int64_t world) {
   return padded_chunk(Spec::parse(spec), n, world);
 }
@@ -219,7 +215,7 @@ TORCH_LIBRARY(mapp, m) {
         "Tensor out, bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
         &mapp::torch_ext::op_reduce_scatter_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
-        &mapp::torch_ext::op_wait);
+        &mapp::torch_ext::work_wait);
 }
 
 // Collectives are device-generic: c10d picks the backend from the tensor.

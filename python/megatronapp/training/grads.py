@@ -67,13 +67,6 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
     return pairs
 
 
-def _norm_groups(state: ParallelState, optimizer) -> list:
-    """Groups whose members hold disjoint parts of the gradient."""
-    if isinstance(optimizer, DistributedOptimizer):
-        return [optimizer.group, state.model_group]
-    return [state.model_group]
-
-
 @torch.no_grad()
 def finish_gradients(model, optimizer, parallel_state: ParallelState | None = None,
                      max_norm: float = 0.0) -> float:
@@ -81,9 +74,9 @@ def finish_gradients(model, optimizer, parallel_state: ParallelState | None = No
     to `max_norm` (0: no clipping) and returns the global norm before clipping."""
     state = resolve_state(parallel_state)
     pairs = finalize_model_grads(model, state, optimizer=optimizer)
-    norm = gradients.global_norm(pairs, state, _norm_groups(state, optimizer))
-    gradients.clip_([g for _, g in pairs], max_norm, norm)
-    return norm
+    if isinstance(optimizer, DistributedOptimizer):  # the shards: summed over dp too
+        return optimizer.clip_grad_norm_(max_norm)
+    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group])
 
 
 @torch.no_grad()
@@ -93,6 +86,4 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     group is at most `max_norm`; returns the norm before clipping."""
     state = resolve_state(parallel_state)
     pairs = [(p, p.grad) for p in parameters if p.grad is not None]
-    norm = gradients.global_norm(pairs, state, [state.model_group])
-    gradients.clip_([g for _, g in pairs], max_norm, norm)
-    return norm
+    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group])
