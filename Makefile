@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -48,6 +48,22 @@ $(STAMPS)/venv: $(STAMPS)/apt requirements-dev.txt
 
 setup: $(STAMPS)/venv
 
+# The peers of benchmarks/peers/ (DeepSpeed, Megatron-Core) in their own
+# environment; torch and megatronapp come from $(VENV) through a .pth (its
+# site-packages after the peers' own), so nothing is installed twice.
+PEERS_VENV := .venv-peers
+$(STAMPS)/peers: $(STAMPS)/venv benchmarks/peers/requirements.txt
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	own=$$($(PEERS_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$base')" > $$own/megatronapp_base.pth
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip wheel 'setuptools<82'
+	DS_BUILD_OPS=0 $(PEERS_VENV)/bin/python -m pip install -q --no-build-isolation \
+	  -r benchmarks/peers/requirements.txt
+	@touch $@
+
+peers: $(STAMPS)/peers
+
 # Incremental: scikit-build-core reuses $(BUILD_DIR); ccache covers clean rebuilds.
 build: setup
 	$(PY) -m pip install -q --no-build-isolation -e .
@@ -61,7 +77,7 @@ demo: build
 	  --use-distributed-optimizer --memory-pool --eval-interval 25 \
 	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
 
-test: build lint test-cpp test-python test-install
+test: build peers lint test-cpp test-python test-install
 
 lint:
 	$(VENV)/bin/ruff check python tests benchmarks examples
@@ -69,7 +85,7 @@ lint:
 test-cpp:
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
 
-test-python:
+test-python: peers
 	$(PY) -m pytest -q tests/python tests/gpu
 
 # ---- release ----------------------------------------------------------------

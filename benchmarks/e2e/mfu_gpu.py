@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "peers"))  # torch_native, common
 
 
 def model_flops(b, s, layers, h, vocab) -> float:
@@ -124,9 +124,8 @@ def main():
     dist.init_process_group("gloo" if args.cpu_smoke else "nccl", rank=0, world_size=1)
     if not args.cpu_smoke:
         torch.cuda.set_device(0)
-    from torch_native import reference_weights
-
     import megatronapp as mapp
+    from common import reference_weights
     from megatronapp.models import GPTConfig
 
     state = mapp.initialize_model_parallel()

@@ -1,5 +1,5 @@
 """The end-to-end benchmark compares equal functions: the PyTorch-native
-baseline (benchmarks/e2e/torch_native.py: DTensor TP, torch DDP,
+baseline (benchmarks/peers/torch_native.py: DTensor TP, torch DDP,
 torch.distributed.pipelining) trains the same GPT on the same batches with the
 same schedule of learning rates as pretrain_gpt.py, so its losses and
 validation losses equal ours step by step (up to float32 reduction order).
@@ -30,7 +30,7 @@ def _ours(rank, world, extra, out_dir):
 
 
 def _torch(rank, world, extra):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "e2e"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peers"))
     import torch_native
 
     args = torch_native.build_parser().parse_args(COMMON + extra)

@@ -11,7 +11,9 @@ a PyTorch user would (torchtitan's recipe):
   replicated logits;
 * data parallelism: ``torch.nn.parallel.DistributedDataParallel`` over the
   data-parallel group (DTensor parameters localized first with torch's
-  ``_pre_dp_module_transform``), optionally with the PowerSGD hook;
+  ``_pre_dp_module_transform``), optionally with the PowerSGD hook; or FSDP2
+  (``fully_shard`` on every block and the root, torchtitan's recipe), over
+  all ranks;
 * pipeline parallelism: ``torch.distributed.pipelining`` (PipelineStage +
   ScheduleGPipe / Schedule1F1B / ScheduleInterleavedZeroBubble).
 
@@ -24,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import time
 
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import common
 import torch
 from torch import nn
 
@@ -101,25 +102,6 @@ class TorchGPT(nn.Module):
         return self.output_layer(self.final_layernorm(x)).transpose(0, 1)  # [b, s, V]
 
 
-def reference_weights(cfg, seed: int) -> dict:
-    """megatronapp's GPTModel for this seed, built in this process at TP=1 (no
-    communication), as a state dict keyed like TorchGPT."""
-    from megatronapp import RankGrid
-    from megatronapp.models import GPTModel
-    from megatronapp.parallel_state import ParallelState
-
-    state = ParallelState(grid=RankGrid(1), rank=0, tensor_group=None, data_group=None,
-                          pipeline_group=None, model_group=None, embedding_group=None)
-    ours = GPTModel(cfg, parallel_state=state, seed=seed).state_dict()
-    out = {}
-    for k, v in ours.items():
-        if k.startswith("layers."):
-            _, i, rest = k.split(".", 2)
-            k = f"layers.{i}.{rest}"
-        out[k] = v
-    return out
-
-
 def parallelize_tp(model: TorchGPT, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -142,39 +124,36 @@ def parallelize_tp(model: TorchGPT, tp_mesh) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
+def _sharded_dims(p) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(name for name, pl in zip(p.device_mesh.mesh_dim_names, p.placements,
+                                          strict=True) if pl.is_shard())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="PyTorch-native GPT training (e2e baseline)")
+    p = argparse.ArgumentParser(description="PyTorch-native GPT training (peer benchmark)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "zero-bubble"],
                    default="1f1b")
+    p.add_argument("--data-parallel", choices=["ddp", "fsdp2"], default="ddp",
+                   help="torch DDP, or FSDP2 (fully_shard: parameters, gradients and "
+                        "optimizer state sharded over the data-parallel group)")
     p.add_argument("--ddp-comm-hook", choices=["none", "powersgd"], default="none")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--powersgd-start-iter", type=int, default=2)
     p.add_argument("--bucket-size-mb", type=float, default=25.0)
-    for name, default in (("num-layers", 4), ("hidden-size", 128), ("num-attention-heads", 4),
-                          ("seq-length", 128), ("micro-batch-size", 4),
-                          ("global-batch-size", 16), ("train-iters", 100), ("eval-iters", 4),
-                          ("eval-interval", 0), ("lr-warmup-iters", 10), ("seed", 1234),
-                          ("make-vocab-size-divisible-by", 128)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    for name, default in (("lr", 3e-3), ("min-lr", 3e-4), ("weight-decay", 0.01),
-                          ("clip-grad", 1.0)):
-        p.add_argument(f"--{name}", type=float, default=default)
-    p.add_argument("--data-path", default=None)
-    p.add_argument("--untie-embeddings-and-output-weights", action="store_true", required=True,
-                   help="required: the baseline has no tied embeddings across pipeline stages")
-    return p
+    return common.add_workload_flags(p)
 
 
 def train(args, callbacks=None) -> dict:
     """Trains on an initialized default process group; returns per-rank results
     (history of losses and timings) like pretrain.train's summary."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from megatronapp.data import TextDataset, default_corpus, padded_vocab_size
-    from megatronapp.models import GPTConfig
-    from megatronapp.training import lr_at
+    from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -183,18 +162,17 @@ def train(args, callbacks=None) -> dict:
     dp = world // (tp * pp)
     if pp > 1 and dp > 1:
         raise SystemExit("the baseline combines pipelining with TP only (dp must be 1)")
+    fsdp = args.data_parallel == "fsdp2"
+    if fsdp and (pp > 1 or tp > 1 or args.ddp_comm_hook != "none"):
+        raise SystemExit("--data-parallel fsdp2 runs alone here (no tp, pp or comm hook): its "
+                         "2-D mesh with DTensor TP gave a different gradient norm")
     outer = "pp" if pp > 1 else "dp"
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=(outer, "tp"))
     tp_mesh, outer_group = mesh["tp"], mesh.get_group(outer)
     tp_rank, outer_rank = mesh.get_local_rank("tp"), mesh.get_local_rank(outer)
 
-    dataset = TextDataset(args.data_path or default_corpus(), args.seq_length)
-    cfg = GPTConfig(vocab_size=padded_vocab_size(dataset.tokenizer.vocab_size, tp,
-                                                 args.make_vocab_size_divisible_by),
-                    hidden_size=args.hidden_size, num_layers=args.num_layers,
-                    num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                    share_embeddings_and_output_weights=False)
-    full = reference_weights(cfg, args.seed)
+    work = common.Workload(args, tp)
+    cfg = work.cfg
     if pp > 1:
         if cfg.num_layers % pp:
             raise SystemExit(f"--num-layers {cfg.num_layers} not divisible by pp {pp}")
@@ -203,15 +181,22 @@ def train(args, callbacks=None) -> dict:
         model = TorchGPT(cfg, ids, pre=outer_rank == 0, post=outer_rank == pp - 1)
     else:
         model = TorchGPT(cfg)
-    model.load_state_dict({k: v for k, v in full.items() if k in model.state_dict()})
+    model.load_state_dict({k: v for k, v in work.weights.items() if k in model.state_dict()})
     if tp > 1:
         parallelize_tp(model, tp_mesh)
-    from torch.distributed.tensor import DTensor
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
 
-    sharded = {n for n, p in model.named_parameters()
-               if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
+        dp_mesh = mesh["dp"]
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    # The mesh dimensions each parameter is sharded on (its squared norm is
+    # summed over them; replicated dimensions hold copies), by name: DDP's
+    # bridge below swaps DTensor parameters for local ones.
+    sharded_on = {n: _sharded_dims(p) for n, p in model.named_parameters()}
     wrapped = model
-    if pp == 1 and dp > 1:
+    if not fsdp and pp == 1 and dp > 1:
         if tp > 1:  # torch's own bridge between DTensor TP and DDP
             from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
@@ -227,9 +212,8 @@ def train(args, callbacks=None) -> dict:
                                        use_error_feedback=True, warm_start=True)
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
     named = list(model.named_parameters())
-    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(common.decay_groups(named, args.weight_decay), lr=args.lr,
+                            betas=common.ADAM_BETAS)
 
     m = args.global_batch_size // (args.micro_batch_size * dp)
     sched = None
@@ -247,33 +231,29 @@ def train(args, callbacks=None) -> dict:
     def local_value(p):
         return p.to_local() if isinstance(p, DTensor) else p
 
+    plan = {}
+    for n, p in named:
+        plan.setdefault(sharded_on[n], []).append(p)
+
     def clip(max_norm: float) -> float:
-        """Global norm: sharded grads summed over TP, replicated ones once, all
-        stages summed over the pipeline group."""
-        sq = torch.zeros(2, dtype=torch.float64)
-        for n, p in named:
-            if p.grad is not None:
-                g = local_value(p.grad).double()
-                sq[0 if n in sharded else 1] += (g * g).sum()
-        if tp > 1:
-            part = sq[:1].clone()
-            dist.all_reduce(part, group=tp_mesh.get_group())
-            sq[0] = part[0]
-        total = sq.sum().reshape(1)
-        if pp > 1:
-            dist.all_reduce(total, group=outer_group)
-        norm = math.sqrt(float(total))
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for _, p in named:
+        """Global norm: each parameter's squares summed over the mesh dimensions
+        it is sharded on, copies counted once, all stages summed."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for dims, params in plan.items():
+            sq = torch.zeros(1, dtype=torch.float64)
+            for p in params:
                 if p.grad is not None:
-                    local_value(p.grad).mul_(coef)
-        return norm
+                    sq += local_value(p.grad).double().square().sum()
+            for d in dims:
+                dist.all_reduce(sq, group=mesh.get_group(d))
+            total += sq
+        grads = [local_value(p.grad) for _, p in named if p.grad is not None]
+        return common.clip_by_global_norm(total, grads, max_norm,
+                                          group=outer_group if pp > 1 else None)
 
     def batch_loss(split, it, backward):
-        tokens, labels = dataset.global_batch(split, it, args.global_batch_size, args.seed)
-        total = torch.zeros(1, dtype=torch.float64)
         if pp > 1:
+            tokens, labels = work.batch(split, it)
             kw = {}
             first, last = outer_rank == 0, outer_rank == pp - 1
             if last:
@@ -284,16 +264,15 @@ def train(args, callbacks=None) -> dict:
                 with torch.no_grad():
                     out = sched.eval(tokens, **kw) if first else sched.eval(**kw)
                     del out
-            if last:
-                total += sum(float(x) for x in kw["losses"]) / m
-            if tp_rank != 0:
-                total.zero_()
-            dist.all_reduce(total)  # the last stage's value reaches everyone
-            return float(total)
-        micro = dataset.microbatches(tokens, labels, args.micro_batch_size, outer_rank, dp)
+            value = sum(float(x) for x in kw["losses"]) / m if last else 0.0
+            return common.share_loss(value, last and tp_rank == 0)
+        total = torch.zeros(1, dtype=torch.float64)
+        micro = work.microbatches(split, it, outer_rank, dp)
         for i, (x, y) in enumerate(micro):
-            ctx = wrapped.no_sync() if backward and dp > 1 and i < len(micro) - 1 else (
-                torch.no_grad() if not backward else contextlib.nullcontext())
+            ctx = wrapped.no_sync() if backward and dp > 1 and not fsdp and i < len(micro) - 1 \
+                else (torch.no_grad() if not backward else contextlib.nullcontext())
+            if fsdp and backward and dp > 1:  # reduce-scatter at the last micro-batch only
+                model.set_requires_gradient_sync(i == len(micro) - 1)
             with ctx:
                 logits = wrapped(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
@@ -304,30 +283,21 @@ def train(args, callbacks=None) -> dict:
             dist.all_reduce(total, group=outer_group)
         return float(total) / dp
 
-    history = []
-    train_seconds = 0.0
-    for it in range(args.train_iters):
-        if callbacks:
-            callbacks.begin(it)
-        t0 = time.perf_counter()
+    def step(it, lr):
         for g in opt.param_groups:
-            g["lr"] = lr_at(args, it)
+            g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         loss = batch_loss("train", it, True)
         norm = clip(args.clip_grad)
         opt.step()
-        dt = time.perf_counter() - t0
-        train_seconds += dt
-        rec = {"iteration": it + 1, "loss": loss, "grad_norm": norm, "seconds": dt,
-               "train_seconds": train_seconds}
-        if callbacks:
-            callbacks.end(it, rec)
-        if args.eval_interval and ((it + 1) % args.eval_interval == 0
-                                   or it + 1 == args.train_iters):
-            wrapped.eval()
-            rec["valid_loss"] = sum(batch_loss("valid", i, False)
-                                    for i in range(args.eval_iters)) / args.eval_iters
-            wrapped.train()
-        history.append(rec)
+        return loss, norm
+
+    def evaluate(i):
+        wrapped.eval()
+        value = batch_loss("valid", i, False)
+        wrapped.train()
+        return value
+
+    history = common.train_loop(args, step, evaluate, callbacks)
     return {"history": history, "parameters": cfg.num_parameters(), "tp": tp, "pp": pp,
             "dp": dp}
