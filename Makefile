@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -118,6 +118,10 @@ bench-memory: build
 # "node" and on two network-namespace "nodes" joined by a 1 Gbit/s veth (~40 min).
 bench-e2e: build
 	$(PY) benchmarks/e2e/run.py
+
+# (root) every peer side by side: DeepSpeed, Megatron-Core, PyTorch, ours.
+bench-peers: build peers
+	$(PY) benchmarks/peers/run.py
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
 bench-scale: build

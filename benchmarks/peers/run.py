@@ -325,6 +325,36 @@ def estimate_targets(rows, convergence: dict) -> None:
             r["target_estimated"] = True
 
 
+def trace_phases(topology, key, a, port) -> dict:
+    """One extra, traced run of our configuration ``key`` (not timed: tracing
+    costs a little): where each rank's step goes, by our tracer's phases."""
+    from megatronapp.trace.phases import breakdown_dir
+
+    trace_dir = tempfile.mkdtemp(prefix="mapp_peers_trace_")
+    stack, label, flags, _ = CONFIGS[key]
+    launch(topology, stack, [(stack, flags + MODEL + [
+        "--train-iters", str(a.phase_iters), "--eval-interval", "0", "--trace",
+        "--trace-dir", trace_dir])], a, port, f"{label} (traced)")
+    rows = breakdown_dir(trace_dir, skip=2)
+    return {str(r): row for r, row in rows.items()}
+
+
+def format_phases(topology, phases: dict) -> str:
+    from megatronapp.trace.phases import PHASES
+
+    if not phases:
+        return ""
+    lines = [f"#### Where our step goes ({topology}; our tracer, mean ms per iteration, "
+             "iterations 3+ of a separate traced run)", "",
+             "| configuration | rank | iteration | " + " | ".join(PHASES) + " |",
+             "|---" * (len(PHASES) + 3) + "|"]
+    for key, ranks in phases.items():
+        for rank, row in ranks.items():
+            lines.append(f"| {CONFIGS[key][1]} | {rank} | {row['iteration']:.0f} | "
+                         + " | ".join(f"{row[p]:.0f}" for p in PHASES) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt_range(v, rng, digits):
     if rng is None or rng[0] == rng[1]:
         return f"{v:.{digits}f}"
@@ -447,6 +477,9 @@ def main(argv=None, suite="peers", out=None):
     p.add_argument("--smoke", action="store_true",
                    help="a few steps (--iters, default 3) of every configuration on a tiny "
                         "model, in this namespace; checks that the stacks agree")
+    p.add_argument("--phase-iters", type=int, default=12,
+                   help="iterations of the traced run of each of our configurations per "
+                        "topology (0: none)")
     p.add_argument("--out", default=out or os.path.join(ROOT, "benchmarks", "results", "peers"))
     p.add_argument("--port", type=int, default=29810)
     p.add_argument("--timeout", type=float, default=3600)
@@ -492,7 +525,7 @@ def main(argv=None, suite="peers", out=None):
     gbs = int(MODEL[MODEL.index("--global-batch-size") + 1])
     a.tokens_per_iter = gbs * int(MODEL[MODEL.index("--seq-length") + 1])
     os.makedirs(a.out, exist_ok=True)
-    results = {}
+    results, phases = {}, {}
     port = a.port
     for topology in [t.strip() for t in a.topology.split(",")]:
         if topology not in NS:
@@ -514,6 +547,12 @@ def main(argv=None, suite="peers", out=None):
                     print(f"[peers] {topology:9s} #{rep + 1} {label:52s} step {r['step_s']:.3f}s"
                           f"  {r['tokens_per_s']:.0f} tok/s  final valid {final}  "
                           f"({time.time() - t0:.0f}s)", flush=True)
+            if a.phase_iters:
+                for name in names:
+                    if CONFIGS[name][0] == "ours":
+                        phases.setdefault(topology, {})[name] = trace_phases(topology, name, a,
+                                                                              port)
+                        port += 1
         finally:
             teardown()
         results[topology] = [merge_repeats(runs[name]) for name in names]
@@ -522,8 +561,9 @@ def main(argv=None, suite="peers", out=None):
     with open(stem + ".json", "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
                    "model_flags": MODEL, "date": time.strftime("%Y-%m-%d %H:%M"),
-                   "results": results}, f, indent=1)
-    md = "".join(report(t, rows, a) + "\n" for t, rows in results.items())
+                   "results": results, "phases": phases}, f, indent=1)
+    md = "".join(report(t, rows, a) + "\n" + format_phases(t, phases.get(t, {})) + "\n"
+                 for t, rows in results.items())
     with open(stem + ".md", "w") as f:
         f.write(md)
     plot(results, stem + ".png")

@@ -1,4 +1,5 @@
-"""``python -m megatronapp.trace aggregate DIR -o merged.json [--detect]``"""
+"""``python -m megatronapp.trace aggregate DIR -o merged.json [--detect]``
+``python -m megatronapp.trace phases DIR``: where each rank's step goes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from .aggregate import merge
 from .detect import DEFAULT_THRESHOLD, detect, format_report
+from .phases import breakdown_dir, format_breakdown
 
 
 def main(argv=None) -> int:
@@ -19,7 +21,24 @@ def main(argv=None) -> int:
     ag.add_argument("--detect", action="store_true")
     ag.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
     ag.add_argument("--report", default=None, help="write the detection report as JSON")
+    ph = sub.add_parser("phases", help="median time per phase of the traced iterations, "
+                                       "per rank (compute, TP collectives, P2P wait, ...)")
+    ph.add_argument("directory")
+    ph.add_argument("--skip", type=int, default=0, help="leave out the first N traced "
+                                                        "iterations of each rank (warm-up)")
+    ph.add_argument("--json", default=None, help="also write the breakdown as JSON")
     args = ap.parse_args(argv)
+    if args.cmd == "phases":
+        try:
+            result = breakdown_dir(args.directory, args.skip)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(format_breakdown(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     try:
         summary = merge(args.directory, args.output)
     except ValueError as e:
