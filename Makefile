@@ -119,9 +119,15 @@ bench-memory: build
 bench-e2e: build
 	$(PY) benchmarks/e2e/run.py
 
-# (root) every peer side by side: DeepSpeed, Megatron-Core, PyTorch, ours.
+# (root) every peer side by side: DeepSpeed, Megatron-Core, PyTorch, ours (~95 min).
+# 1. steps to the target loss, one config per stack, 150 iterations; 2. speed
+# of every config, 3 round-robin repeats, times to target estimated from 1.
+PEERS_CONV := benchmarks/results/peers/convergence
 bench-peers: build peers
-	$(PY) benchmarks/peers/run.py
+	$(PY) benchmarks/peers/run.py --topology loopback --iters 150 --repeats 1 --phase-iters 0 \
+	  --configs ours-pp,ours-dp,megatron-tp2-pp2,deepspeed-zero1 --out $(PEERS_CONV)
+	$(PY) benchmarks/peers/run.py --iters 30 --warmup 5 --eval-interval 0 \
+	  --convergence $(PEERS_CONV)/peers.json
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
 bench-scale: build

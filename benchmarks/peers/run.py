@@ -101,11 +101,19 @@ CONFIGS = {
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp": ("ours", "ours: TP2 x PP2 zero-bubble, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    "ours-pp-dp": ("ours", "ours: PP2 x DP2 zero-bubble, pool", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    "ours-pp-dp-int8": ("ours", "ours: PP2 x DP2 zero-bubble, int8 codec, pool", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--grad-compression", "int8",
+        "--grad-compression-start-iter", "2", "--memory-pool"], False),
+    "ours-pp-sp": ("ours", "ours: TP2 x PP2 zero-bubble, SP, pool", TP2 + PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--sequence-parallel", "--memory-pool"], True),
 }
 SUITES = {
     "peers": ["torch-ddp", "torch-fsdp2", "torch-tp2-ddp", "torch-pp", "torch-zb",
               "deepspeed-zero1", "deepspeed-zero2", "deepspeed-pp", "megatron-tp2-dp2",
-              "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "ours-dp", "ours-pp"],
+              "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "ours-dp", "ours-pp", "ours-pp-1f1b",
+              "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
