@@ -143,6 +143,30 @@ def train(args, callbacks=None) -> dict:
         mps.destroy_model_parallel()
 
 
+def all_reduce_data_parallel(chunks, dp: int, group) -> None:
+    """Gradients averaged over the data-parallel group: one coalesced
+    all-reduce per model chunk (Megatron's DDP without overlap; its own needs
+    CUDA streams)."""
+    for c in chunks:
+        gs = [p.grad for p in c.parameters()]
+        flat = torch._utils._flatten_dense_tensors(gs)  # noqa: SLF001
+        dist.all_reduce(flat, group=group)
+        flat.div_(dp)
+        for g, f in zip(gs, torch._utils._unflatten_dense_tensors(flat, gs),  # noqa: SLF001
+                        strict=True):
+            g.copy_(f)
+
+
+def global_grad_sq(named, tp_rank: int) -> torch.Tensor:
+    """This rank's share of the squared gradient norm (float64): tensor-parallel
+    duplicates counted on tensor rank 0 only."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for _, p in named:
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            sq += p.grad.double().square().sum()
+    return sq
+
+
 def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, TransformerConfig, mps):
     work = common.Workload(args, tp)
     cfg = work.cfg
@@ -222,21 +246,11 @@ def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, Transforme
         for c in chunks:
             c.zero_grad(set_to_none=False)
         loss = run("train", it, False)
-        grads = [p.grad for _, p in named]
-        if dp > 1:  # one coalesced all-reduce per chunk, averaged
-            for c in chunks:
-                gs = [p.grad for p in c.parameters()]
-                flat = torch._utils._flatten_dense_tensors(gs)  # noqa: SLF001
-                dist.all_reduce(flat, group=dp_group)
-                flat.div_(dp)
-                for g, f in zip(gs, torch._utils._unflatten_dense_tensors(flat, gs),  # noqa: SLF001
-                                strict=True):
-                    g.copy_(f)
-        sq = torch.zeros(1, dtype=torch.float64)
-        for _, p in named:  # tensor-parallel duplicates counted on tensor rank 0 only
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                sq += p.grad.double().square().sum()
-        norm = common.clip_by_global_norm(sq, grads, args.clip_grad, group=model_group)
+        if dp > 1:
+            all_reduce_data_parallel(chunks, dp, dp_group)
+        norm = common.clip_by_global_norm(global_grad_sq(named, tp_rank),
+                                          [p.grad for _, p in named], args.clip_grad,
+                                          group=model_group)
         opt.step()
         return loss, norm
 
