@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -128,6 +128,14 @@ bench-peers: build peers
 	  --configs ours-pp,ours-dp,megatron-tp2-pp2,deepspeed-zero1 --out $(PEERS_CONV)
 	$(PY) benchmarks/peers/run.py --iters 30 --warmup 5 --eval-interval 0 \
 	  --convergence $(PEERS_CONV)/peers.json
+
+# (root) ours against Megatron-Core step for step (issue 26): TP2xPP2 1F1B and
+# best, TP2xDP2, PP4; 3 round-robin repeats per topology, our tracer's phases,
+# and one py-spy profile of every configuration split into the same phases for
+# both stacks, with ours-minus-theirs per phase (~40 min).
+bench-step: build peers
+	$(PY) benchmarks/peers/run.py --suite step --iters 20 --warmup 5 --eval-interval 0 \
+	  --phase-iters 12 --profile-iters 20
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
 bench-scale: build

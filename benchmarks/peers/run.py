@@ -66,6 +66,7 @@ STACK_NAMES = {"ours": "ours", "torch": "PyTorch", "deepspeed": "DeepSpeed",
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+PP4 = ["--pipeline-model-parallel-size", "4"]
 # key -> (stack, label, flags, exact). Model / batch flags are shared (MODEL
 # below). exact: the configuration computes the same update as every other
 # exact one (no lossy compression), so its losses must agree step by step.
@@ -87,6 +88,7 @@ CONFIGS = {
     "megatron-tp2-pp2": ("megatron", "Megatron-Core: TP2 x PP2 (1F1B)", TP2 + PP2, True),
     "megatron-tp2-pp2-vp": ("megatron", "Megatron-Core: TP2 x PP2 interleaved (v=2)",
                             TP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], True),
+    "megatron-pp4": ("megatron", "Megatron-Core: PP4 (1F1B)", PP4, True),
     "ours-dp": ("ours", "ours: TP2 x DP2, int8 codec, pool", TP2 + [
         "--grad-compression", "int8", "--grad-compression-start-iter", "2", "--memory-pool"],
         False),
@@ -106,6 +108,10 @@ CONFIGS = {
     "ours-pp-dp-int8": ("ours", "ours: PP2 x DP2 zero-bubble, int8 codec, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--grad-compression", "int8",
         "--grad-compression-start-iter", "2", "--memory-pool"], False),
+    "ours-pp4-1f1b": ("ours", "ours: PP4 1F1B, pool", PP4 + [
+        "--pipeline-schedule", "1f1b", "--memory-pool"], True),
+    "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
+        "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
     "ours-pp-sp": ("ours", "ours: TP2 x PP2 zero-bubble, SP, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--sequence-parallel", "--memory-pool"], True),
 }
@@ -114,9 +120,17 @@ SUITES = {
               "deepspeed-zero1", "deepspeed-zero2", "deepspeed-pp", "megatron-tp2-dp2",
               "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "ours-dp", "ours-pp", "ours-pp-1f1b",
               "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
+    # make bench-step: ours against Megatron-Core, like for like (issue 26).
+    "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
+             "ours-pp-1f1b", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b", "ours-pp4"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
+# Like-for-like pairs whose per-phase profiles the report subtracts: ours, theirs.
+PAIRS = [("ours-pp-1f1b", "megatron-tp2-pp2"), ("ours-dp-exact", "megatron-tp2-dp2"),
+         ("ours-pp4-1f1b", "megatron-pp4")]
+PY_SPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
+PROFILE_HZ = 200
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
          "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10", "--seed", "1234",
@@ -238,9 +252,10 @@ def worker(a, runs: list) -> None:
 
 # ---- orchestration ----------------------------------------------------------------------
 
-def launch(topology, stack, runs, a, port, what) -> list:
+def launch(topology, stack, runs, a, port, what, profile_dir=None) -> list:
     """Starts the 4 ranks of ``runs`` (all of one stack) and returns each rank's
-    results."""
+    results. With `profile_dir`, each rank runs under py-spy, which writes its
+    samples to ``profile_dir/rank<r>.txt``."""
     out_dir = tempfile.mkdtemp(prefix="mapp_peers_out_")
     spec = os.path.join(out_dir, "runs.json")
     with open(spec, "w") as f:
@@ -251,6 +266,11 @@ def launch(topology, stack, runs, a, port, what) -> list:
             interpreter(stack), __file__, "--worker", "--runs", spec, "--rank", str(r),
             "--master", master, "--port", str(port), "--ifname", ifname,
             "--out", os.path.join(out_dir, f"rank{r}.json")]
+        if profile_dir:
+            at = cmd.index(interpreter(stack))
+            cmd[at:at] = [PY_SPY, "record", "--format", "raw", "--rate", str(PROFILE_HZ),
+                          "--idle", "--nonblocking", "--output",
+                          os.path.join(profile_dir, f"rank{r}.txt"), "--"]
         if r == 0 or (topology == "two-node" and r == 2):  # one sampler per namespace
             cmd.append("--sample")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -345,6 +365,49 @@ def trace_phases(topology, key, a, port) -> dict:
         "--trace-dir", trace_dir])], a, port, f"{label} (traced)")
     rows = breakdown_dir(trace_dir, skip=2)
     return {str(r): row for r, row in rows.items()}
+
+
+def profile_phases(topology, key, a, port) -> dict:
+    """One extra run of configuration ``key`` (any stack) under py-spy: the
+    step split into spy_phases.PHASES the same way for every stack (rank ->
+    ms per iteration, and the mean over ranks)."""
+    import spy_phases
+
+    spy_dir = tempfile.mkdtemp(prefix="mapp_peers_spy_")
+    stack, label, flags, _ = CONFIGS[key]
+    ranks = launch(topology, stack, [(stack, flags + MODEL + [
+        "--train-iters", str(a.profile_iters), "--eval-interval", "0"])], a, port,
+        f"{label} (profiled)", profile_dir=spy_dir)
+    hist = ranks[0]["runs"][0]["history"]
+    step_ms = 1e3 * statistics.fmean(h["seconds"] for h in hist)
+    return spy_phases.breakdown_dir(spy_dir, step_ms)
+
+
+def format_profiles(topology, profiles: dict) -> str:
+    """The mean-over-ranks profile of every configuration, then ours minus
+    theirs for each like-for-like pair (PAIRS) that ran."""
+    from spy_phases import PHASES
+
+    if not profiles:
+        return ""
+    head = "| " + " | ".join(PHASES) + " |"
+    lines = [f"#### Where each stack's step goes ({topology}; py-spy at {PROFILE_HZ} Hz on "
+             "every rank, ms per iteration, mean over the ranks, a separate profiled run)", "",
+             "| configuration | step ms " + head, "|---" * (len(PHASES) + 2) + "|"]
+    for key, rows in profiles.items():
+        m = rows["mean"]
+        lines.append(f"| {CONFIGS[key][1]} | {m['step']:.0f} | "
+                     + " | ".join(f"{m[p]:.0f}" for p in PHASES) + " |")
+    pairs = [(o, t) for o, t in PAIRS if o in profiles and t in profiles]
+    if pairs:
+        lines += ["", "Ours minus Megatron-Core, per phase (ms per iteration; negative = "
+                  "ours faster):", "", "| pair | step " + head,
+                  "|---" * (len(PHASES) + 2) + "|"]
+        for o, t in pairs:
+            mo, mt = profiles[o]["mean"], profiles[t]["mean"]
+            lines.append(f"| {o} - {t} | {mo['step'] - mt['step']:+.0f} | "
+                         + " | ".join(f"{mo[p] - mt[p]:+.0f}" for p in PHASES) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def format_phases(topology, phases: dict) -> str:
@@ -468,6 +531,9 @@ def smoke(names, a) -> int:
 
 def main(argv=None, suite="peers", out=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", default=suite, choices=list(SUITES),
+                   help="the default --configs and the name of the outputs (step: ours "
+                        "against Megatron-Core, make bench-step)")
     p.add_argument("--topology", default="loopback,two-node")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--iters", type=int, default=150)
@@ -477,8 +543,8 @@ def main(argv=None, suite="peers", out=None):
     p.add_argument("--repeats", type=int, default=3,
                    help="run every configuration N times, round-robin; report medians and ranges")
     p.add_argument("--target-loss", type=float, default=2.25)
-    p.add_argument("--configs", default=",".join(SUITES[suite]),
-                   help=f"comma-separated keys of {list(CONFIGS)}")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated keys of {list(CONFIGS)} (default: the suite's)")
     p.add_argument("--convergence", default=None, metavar="JSON",
                    help="a longer run's results (peers.json): configurations that do not reach "
                         "the target in --iters take its steps to target x their step time")
@@ -488,7 +554,12 @@ def main(argv=None, suite="peers", out=None):
     p.add_argument("--phase-iters", type=int, default=12,
                    help="iterations of the traced run of each of our configurations per "
                         "topology (0: none)")
-    p.add_argument("--out", default=out or os.path.join(ROOT, "benchmarks", "results", "peers"))
+    p.add_argument("--profile-iters", type=int, default=0,
+                   help="iterations of one more run of every configuration per topology under "
+                        "py-spy, whose step is split into phases the same way for every stack "
+                        "(spy_phases.py; 0: none)")
+    p.add_argument("--out", default=out, help="results directory (default "
+                   "benchmarks/results/<suite>)")
     p.add_argument("--port", type=int, default=29810)
     p.add_argument("--timeout", type=float, default=3600)
     # worker mode (internal)
@@ -502,6 +573,9 @@ def main(argv=None, suite="peers", out=None):
     if a.worker:
         worker(a, json.load(open(a.runs)))
         return
+    suite = a.suite
+    a.out = a.out or os.path.join(ROOT, "benchmarks", "results", suite)
+    a.configs = a.configs or ",".join(SUITES[suite])
     names = [n.strip() for n in a.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -521,6 +595,9 @@ def main(argv=None, suite="peers", out=None):
         raise SystemExit("--configs needs at least one peer configuration (the baseline)")
     for n in names:
         interpreter(CONFIGS[n][0])  # a missing peers' environment fails now, not an hour in
+    if a.profile_iters and not os.path.exists(PY_SPY):
+        raise SystemExit(f"--profile-iters needs py-spy ({PY_SPY}): pip install py-spy "
+                         "(make build installs it)")
     convergence = {}
     if a.convergence:
         prior = json.load(open(a.convergence))["results"]
@@ -533,7 +610,7 @@ def main(argv=None, suite="peers", out=None):
     gbs = int(MODEL[MODEL.index("--global-batch-size") + 1])
     a.tokens_per_iter = gbs * int(MODEL[MODEL.index("--seq-length") + 1])
     os.makedirs(a.out, exist_ok=True)
-    results, phases = {}, {}
+    results, phases, profiles = {}, {}, {}
     port = a.port
     for topology in [t.strip() for t in a.topology.split(",")]:
         if topology not in NS:
@@ -561,6 +638,11 @@ def main(argv=None, suite="peers", out=None):
                         phases.setdefault(topology, {})[name] = trace_phases(topology, name, a,
                                                                               port)
                         port += 1
+            if a.profile_iters:
+                for name in names:
+                    profiles.setdefault(topology, {})[name] = profile_phases(topology, name, a,
+                                                                             port)
+                    port += 1
         finally:
             teardown()
         results[topology] = [merge_repeats(runs[name]) for name in names]
@@ -569,8 +651,9 @@ def main(argv=None, suite="peers", out=None):
     with open(stem + ".json", "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
                    "model_flags": MODEL, "date": time.strftime("%Y-%m-%d %H:%M"),
-                   "results": results, "phases": phases}, f, indent=1)
+                   "results": results, "phases": phases, "profiles": profiles}, f, indent=1)
     md = "".join(report(t, rows, a) + "\n" + format_phases(t, phases.get(t, {})) + "\n"
+                 + format_profiles(t, profiles.get(t, {})) + "\n"
                  for t, rows in results.items())
     with open(stem + ".md", "w") as f:
         f.write(md)

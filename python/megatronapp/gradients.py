@@ -7,9 +7,10 @@ implementation, for full gradients and ZeRO-1 shards alike.
 the slice of it this rank owns (ZeRO-1). Which pairs count is decided by
 :func:`counted`: tensor-parallel shards on every tensor rank, replicated
 parameters on tensor rank 0 only, and the last pipeline stage's replica of
-tied embeddings not at all (the first stage counts it). The squares are summed
-in float64 on the gradients' device; the only host synchronization is the one
-that reads the final norm.
+tied embeddings not at all (the first stage counts it). Each tensor's norm
+is taken in one pass (``torch._foreach_norm``) and the squares of those norms
+are summed in float64 on the gradients' device; the only host synchronization
+is the one that reads the final norm.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGro
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        total += g.detach().double().pow(2).sum()
+    if grads:
+        # One pass per tensor without copies (fp32 accumulation, as
+        # Megatron-Core's multi-tensor L2 norm); the per-tensor norms are
+        # squared and summed in float64.
+        norms = torch._foreach_norm([g.detach() for g in grads])  # noqa: SLF001
+        total += torch.stack(norms).double().square().sum()
     for group in groups:
         if group is not None:
             _collectives.all_reduce_sum_(total, group)

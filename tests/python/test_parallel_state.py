@@ -72,8 +72,12 @@ def _bad_shapes(rank, world):
             make()
         msgs.append(str(e.value))
     emb = VocabParallelEmbedding(16, 4)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"\[0, 16\), got values in \[3, 16\]"):
         emb(torch.tensor([[3, 16]]))
+    from megatronapp.tensor_parallel import vocab_parallel_cross_entropy
+
+    with pytest.raises(IndexError, match=r"target ids must lie in \[0, 16\).*found \[20\]"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.tensor([1, 20]))
     return msgs
 
 

@@ -46,3 +46,57 @@ def test_unknown_configuration_is_named():
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode != 0 and "unknown --configs ['nope']" in proc.stderr
 
+
+
+def test_spy_phases_puts_each_sample_in_one_phase(tmp_path):
+    """The profile classifier of make bench-step, on stacks as py-spy writes
+    them (outermost first): the same phase for the same work in either stack."""
+    import spy_phases
+
+    ours = "train (megatronapp/training/loop.py:60);train_step (megatronapp/training/step.py:93)"
+    meg = "train_loop (common.py:130);step (megatron_gpt.py:248)"
+    sched = ";forward_backward (megatronapp/pipeline/executor.py:290)"
+    msched = (";run (megatron_gpt.py:220);forward_backward_pipelining_without_interleaving "
+              "(megatron/core/pipeline_parallel/schedules.py:2000)")
+    cases = {
+        ours + ";step (torch/optim/adamw.py:200)": "optimizer",
+        meg + ";step (torch/optim/adamw.py:200)": "optimizer",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
+        + ";wait_recv (megatronapp/pipeline/executor.py:120)": "p2p",
+        meg + msched + ";recv_forward (megatron/core/pipeline_parallel/p2p_communication.py:400)"
+        + ";wrapper (torch/distributed/c10d_logger.py:80)": "p2p",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
+        + ";forward (megatronapp/tensor_parallel/mappings.py:60)"
+        + ";all_reduce_sum_ (megatronapp/_collectives.py:30)": "tp-collectives",
+        meg + msched + ";forward (megatron/core/tensor_parallel/cross_entropy.py:50)"
+        + ";all_reduce (torch/distributed/distributed_c10d.py:2800)": "tp-collectives",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
+        + ";_call_impl (torch/nn/modules/module.py:1750)": "compute",
+        meg + msched + ";custom_backward (megatron/core/pipeline_parallel/schedules.py:150)":
+            "compute",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched: "executor",
+        meg + msched: "executor",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
+        + ";_hook (megatronapp/data_parallel.py:200)": "dp-reduction",
+        meg + ";all_reduce_data_parallel (megatron_gpt.py:130)": "dp-reduction",
+        ours + ";finish_gradients (megatronapp/training/grads.py:75)"
+        + ";global_norm (megatronapp/gradients.py:50)": "grad-finish",
+        meg + ";global_grad_sq (megatron_gpt.py:140)": "grad-finish",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:84)": "loss-report",
+        meg + ";run (megatron_gpt.py:225);share_loss (common.py:110)": "loss-report",
+        ours + ";_global_batch_loss (megatronapp/training/step.py:60)"
+        + ";global_batch (megatronapp/data.py:40)": "data",
+        "train (megatronapp/training/loop.py:60);evaluate (megatronapp/training/step.py:100)":
+            None,
+        "<module> (threading.py:1000)": None,
+    }
+    for stack, phase in cases.items():
+        assert spy_phases.classify(stack) == phase, (stack, spy_phases.classify(stack))
+    # Shares x the measured step time; samples outside a step do not count.
+    (tmp_path / "rank0.txt").write_text(
+        f"{ours};step (torch/optim/adamw.py:200) 30\n"
+        f"{ours};_global_batch_loss (megatronapp/training/step.py:70){sched} 10\n"
+        "<module> (threading.py:1000) 500\n")
+    rows = spy_phases.breakdown_dir(str(tmp_path), step_ms=400.0)
+    assert rows["0"]["optimizer"] == 300.0 and rows["0"]["executor"] == 100.0
+    assert rows["0"]["samples"] == 40 and rows["mean"]["step"] == 400.0

@@ -38,6 +38,19 @@ def _bias_init(fan_in: int, init_method) -> Callable[[torch.Tensor], None]:
     return lambda b: nn.init.uniform_(b, -bound, bound)
 
 
+def _check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
+    """Token ids outside [0, num_embeddings) are an error. On the host it is
+    raised here; on a GPU it is a device-side assertion, so that the check
+    costs no device-to-host synchronization per microbatch."""
+    msg = f"VocabParallelEmbedding: token ids must lie in [0, {num_embeddings})"
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < num_embeddings)).all(), msg)  # noqa: SLF001
+        return
+    lo, hi = torch.aminmax(ids)
+    if int(lo) < 0 or int(hi) >= num_embeddings:
+        raise IndexError(f"{msg}, got values in [{int(lo)}, {int(hi)}]")
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) across the tensor group.
 
@@ -195,10 +208,8 @@ class VocabParallelEmbedding(nn.Module):
                                         init_method or nn.init.normal_, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}), "
-                f"got values in [{int(ids.min())}, {int(ids.max())}]")
+        if ids.numel():
+            _check_ids(ids, self.num_embeddings)
         if self.group.size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
