@@ -58,12 +58,12 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 _STEP = [("train_step", "megatronapp/training/step.py"), ("step", "megatron_gpt.py"),
          ("step", "deepspeed_gpt.py"), ("step", "torch_native.py")]
 # The schedules: where "inside the forward/backward" begins.
-_EXECUTOR = ("megatronapp/pipeline/executor.py", "megatron/core/pipeline_parallel/schedules.py")
+_EXECUTOR = ("megatronapp/pipeline/executor.py", "core/pipeline_parallel/schedules.py")
 _SCHEDULE = [("", e) for e in _EXECUTOR] + [
     ("", "torch/distributed/pipelining/schedules.py"), ("", "deepspeed/runtime/pipe/engine.py"),
     ("batch_loss", "torch_native.py"), ("forward", "deepspeed/runtime/engine.py"),
     ("backward", "deepspeed/runtime/engine.py")]
-_P2P = [("", "megatron/core/pipeline_parallel/p2p_communication.py"),
+_P2P = [("", "core/pipeline_parallel/p2p_communication.py"),
         ("", "deepspeed/runtime/pipe/p2p.py"), ("_recv", "torch/distributed/pipelining/"),
         ("_send", "torch/distributed/pipelining/"), ("wait", "torch/distributed/pipelining/"),
         ("batch_isend_irecv", "")] + [
@@ -78,7 +78,7 @@ _FINISH = [("", "megatronapp/gradients.py"), ("finalize_model_grads", ""), ("cli
 _LOSS = [("share_loss", ""), ("_global_batch_loss", "megatronapp/training/step.py"),
          ("run", "megatron_gpt.py")]
 _DATA = [("", "megatronapp/data.py"), ("microbatches", ""), ("global_batch", "")]
-_TP = ("megatronapp/_collectives.py", "megatron/core/tensor_parallel/mappings.py",
+_TP = ("megatronapp/_collectives.py", "core/tensor_parallel/mappings.py",
        "torch/distributed/distributed_c10d.py", "torch/distributed/tensor/")
 
 
@@ -91,16 +91,29 @@ def _frames(stack: str) -> list:
     return out
 
 
+def _name(func: str) -> str:
+    return func.rsplit(".", 1)[-1]  # py-spy qualifies methods: "P2PCommunicator._communicate"
+
+
 def _has(frames, rules) -> bool:
-    return any((not fn or func == fn) and (not path or path in file)
+    return any((not fn or _name(func) == fn) and (not path or path in file)
                for func, file in frames for fn, path in rules)
+
+
+def _has_dp(frames) -> bool:
+    # A module wrapped in our DDP runs its forward through data_parallel.py:
+    # only the wrapper's hooks and reductions count.
+    return any(_name(func) not in ("forward", "_call_impl", "_wrapped_call_impl")
+               and any((not fn or _name(func) == fn) and (not path or path in file)
+                       for fn, path in _DP)
+               for func, file in frames)
 
 
 def classify(stack: str) -> str | None:
     """The phase of one sample (None: outside any training step)."""
     frames = _frames(stack)
     start = next((i for i, (func, file) in enumerate(frames)
-                  if any(func == f and file.endswith(p) for f, p in _STEP)), None)
+                  if any(_name(func) == f and file.endswith(p) for f, p in _STEP)), None)
     if start is None:
         return None
     frames = frames[start:]
@@ -108,7 +121,7 @@ def classify(stack: str) -> str | None:
         return "optimizer"
     if _has(frames, _P2P):
         return "p2p"
-    if _has(frames, _DP):
+    if _has_dp(frames):
         return "dp-reduction"
     scheduled = _has(frames, _SCHEDULE)
     if not scheduled:
@@ -122,7 +135,7 @@ def classify(stack: str) -> str | None:
     if any(any(t in file for t in _TP) for _, file in frames):
         return "tp-collectives"
     func, file = frames[-1]
-    if any(file.endswith(e) for e in _EXECUTOR) and func != "custom_backward":
+    if any(file.endswith(e) for e in _EXECUTOR) and _name(func) != "custom_backward":
         return "executor"
     return "compute"
 

@@ -57,22 +57,22 @@ def test_spy_phases_puts_each_sample_in_one_phase(tmp_path):
     meg = "train_loop (common.py:130);step (megatron_gpt.py:248)"
     sched = ";forward_backward (megatronapp/pipeline/executor.py:290)"
     msched = (";run (megatron_gpt.py:220);forward_backward_pipelining_without_interleaving "
-              "(megatron/core/pipeline_parallel/schedules.py:2000)")
+              "(core/pipeline_parallel/schedules.py:2000)")
     cases = {
         ours + ";step (torch/optim/adamw.py:200)": "optimizer",
         meg + ";step (torch/optim/adamw.py:200)": "optimizer",
         ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
         + ";wait_recv (megatronapp/pipeline/executor.py:120)": "p2p",
-        meg + msched + ";recv_forward (megatron/core/pipeline_parallel/p2p_communication.py:400)"
+        meg + msched + ";recv_forward (core/pipeline_parallel/p2p_communication.py:400)"
         + ";wrapper (torch/distributed/c10d_logger.py:80)": "p2p",
         ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
         + ";forward (megatronapp/tensor_parallel/mappings.py:60)"
         + ";all_reduce_sum_ (megatronapp/_collectives.py:30)": "tp-collectives",
-        meg + msched + ";forward (megatron/core/tensor_parallel/cross_entropy.py:50)"
+        meg + msched + ";forward (core/tensor_parallel/cross_entropy.py:50)"
         + ";all_reduce (torch/distributed/distributed_c10d.py:2800)": "tp-collectives",
         ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched
         + ";_call_impl (torch/nn/modules/module.py:1750)": "compute",
-        meg + msched + ";custom_backward (megatron/core/pipeline_parallel/schedules.py:150)":
+        meg + msched + ";custom_backward (core/pipeline_parallel/schedules.py:150)":
             "compute",
         ours + ";_global_batch_loss (megatronapp/training/step.py:70)" + sched: "executor",
         meg + msched: "executor",
