@@ -262,15 +262,13 @@ def launch(topology, stack, runs, a, port, what, profile_dir=None) -> list:
         json.dump(runs, f)
     procs = []
     for r, (ns, master, ifname) in enumerate(placement(topology)):
-        cmd = ([] if ns is None else ["ip", "netns", "exec", ns]) + [
+        spy = [] if not profile_dir else [
+            PY_SPY, "record", "--format", "raw", "--rate", str(PROFILE_HZ), "--idle",
+            "--nonblocking", "--output", os.path.join(profile_dir, f"rank{r}.txt"), "--"]
+        cmd = ([] if ns is None else ["ip", "netns", "exec", ns]) + spy + [
             interpreter(stack), __file__, "--worker", "--runs", spec, "--rank", str(r),
             "--master", master, "--port", str(port), "--ifname", ifname,
             "--out", os.path.join(out_dir, f"rank{r}.json")]
-        if profile_dir:
-            at = cmd.index(interpreter(stack))
-            cmd[at:at] = [PY_SPY, "record", "--format", "raw", "--rate", str(PROFILE_HZ),
-                          "--idle", "--nonblocking", "--output",
-                          os.path.join(profile_dir, f"rank{r}.txt"), "--"]
         if r == 0 or (topology == "two-node" and r == 2):  # one sampler per namespace
             cmd.append("--sample")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -529,6 +527,26 @@ def smoke(names, a) -> int:
     return 1 if bad else 0
 
 
+def run_repeats(topology, names, common, a, port):
+    """``a.repeats`` timed runs of every configuration, round-robin (so that a
+    drift of the machine's speed hits every one alike). Returns (name -> the
+    rows of its repeats, the next free port)."""
+    runs = {name: [] for name in names}
+    for rep in range(a.repeats):
+        for name in names:
+            stack, label, flags, _ = CONFIGS[name]
+            t0 = time.time()
+            ranks = launch(topology, stack, [(stack, flags + common)], a, port, label)
+            port += 1
+            r = summarize(label, name, ranks, 0, a)
+            runs[name].append(r)
+            final = "-" if r["final_valid"] is None else f"{r['final_valid']:.3f}"
+            print(f"[peers] {topology:9s} #{rep + 1} {label:52s} step {r['step_s']:.3f}s"
+                  f"  {r['tokens_per_s']:.0f} tok/s  final valid {final}  "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+    return runs, port
+
+
 def main(argv=None, suite="peers", out=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", default=suite, choices=list(SUITES),
@@ -616,22 +634,8 @@ def main(argv=None, suite="peers", out=None):
         if topology not in NS:
             raise SystemExit(f"unknown --topology {topology!r}; choose loopback or two-node")
         setup(topology, a.rate)
-        runs = {name: [] for name in names}
         try:
-            # Round-robin over the configurations, so that a drift of the
-            # machine's speed during the benchmark hits every one alike.
-            for rep in range(a.repeats):
-                for name in names:
-                    stack, label, flags, _ = CONFIGS[name]
-                    t0 = time.time()
-                    ranks = launch(topology, stack, [(stack, flags + common)], a, port, label)
-                    runs[name].append(summarize(label, name, ranks, 0, a))
-                    port += 1
-                    r = runs[name][-1]
-                    final = "-" if r["final_valid"] is None else f"{r['final_valid']:.3f}"
-                    print(f"[peers] {topology:9s} #{rep + 1} {label:52s} step {r['step_s']:.3f}s"
-                          f"  {r['tokens_per_s']:.0f} tok/s  final valid {final}  "
-                          f"({time.time() - t0:.0f}s)", flush=True)
+            runs, port = run_repeats(topology, names, common, a, port)
             if a.phase_iters:
                 for name in names:
                     if CONFIGS[name][0] == "ours":

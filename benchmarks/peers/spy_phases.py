@@ -78,8 +78,8 @@ _FINISH = [("", "megatronapp/gradients.py"), ("finalize_model_grads", ""), ("cli
 _LOSS = [("share_loss", ""), ("_global_batch_loss", "megatronapp/training/step.py"),
          ("run", "megatron_gpt.py")]
 _DATA = [("", "megatronapp/data.py"), ("microbatches", ""), ("global_batch", "")]
-_TP = ("megatronapp/_collectives.py", "core/tensor_parallel/mappings.py",
-       "torch/distributed/distributed_c10d.py", "torch/distributed/tensor/")
+_TP = [("", t) for t in ("megatronapp/_collectives.py", "core/tensor_parallel/mappings.py",
+                         "torch/distributed/distributed_c10d.py", "torch/distributed/tensor/")]
 
 
 def _frames(stack: str) -> list:
@@ -95,18 +95,17 @@ def _name(func: str) -> str:
     return func.rsplit(".", 1)[-1]  # py-spy qualifies methods: "P2PCommunicator._communicate"
 
 
-def _has(frames, rules) -> bool:
-    return any((not fn or _name(func) == fn) and (not path or path in file)
+def _has(frames, rules, skip=()) -> bool:
+    """Whether a frame matches a ``(function, path part)`` rule (empty: any);
+    frames of functions named in `skip` never match."""
+    return any(_name(func) not in skip and (not fn or _name(func) == fn)
+               and (not path or path in file)
                for func, file in frames for fn, path in rules)
 
 
-def _has_dp(frames) -> bool:
-    # A module wrapped in our DDP runs its forward through data_parallel.py:
-    # only the wrapper's hooks and reductions count.
-    return any(_name(func) not in ("forward", "_call_impl", "_wrapped_call_impl")
-               and any((not fn or _name(func) == fn) and (not path or path in file)
-                       for fn, path in _DP)
-               for func, file in frames)
+# A module wrapped in our DDP runs its forward through data_parallel.py: only
+# the wrapper's hooks and reductions are data-parallel work.
+_FORWARDS = ("forward", "_call_impl", "_wrapped_call_impl")
 
 
 def classify(stack: str) -> str | None:
@@ -121,10 +120,9 @@ def classify(stack: str) -> str | None:
         return "optimizer"
     if _has(frames, _P2P):
         return "p2p"
-    if _has_dp(frames):
+    if _has(frames, _DP, skip=_FORWARDS):
         return "dp-reduction"
-    scheduled = _has(frames, _SCHEDULE)
-    if not scheduled:
+    if not _has(frames, _SCHEDULE):
         for phase, rules in (("data", _DATA), ("grad-finish", _FINISH),
                              ("loss-report", _LOSS)):
             if _has(frames, rules):
@@ -132,7 +130,7 @@ def classify(stack: str) -> str | None:
         return "other"
     if _has(frames, _DATA):
         return "data"
-    if any(any(t in file for t in _TP) for _, file in frames):
+    if _has(frames, _TP):
         return "tp-collectives"
     func, file = frames[-1]
     if any(file.endswith(e) for e in _EXECUTOR) and _name(func) != "custom_backward":
