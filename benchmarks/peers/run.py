@@ -64,6 +64,8 @@ TRAINERS = {"torch": "torch_native", "deepspeed": "deepspeed_gpt", "megatron": "
 STACK_NAMES = {"ours": "ours", "torch": "PyTorch", "deepspeed": "DeepSpeed",
                "megatron": "Megatron-Core"}
 
+# A flag the worker turns into an environment variable of that run (not a trainer flag).
+ENV_FLAG = "--env="
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
@@ -101,6 +103,11 @@ CONFIGS = {
     "ours-dp-exact": ("ours", "ours: TP2 x DP2, pool", TP2 + ["--memory-pool"], True),
     "ours-pp-1f1b": ("ours", "ours: TP2 x PP2 1F1B, pool", TP2 + PP2 + [
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
+    # The same with the tensor-parallel collectives on Gloo, not shared memory
+    # (the transport before 2026-12-02): the shared-memory gain, measured each run.
+    "ours-pp-1f1b-gloo": ("ours", "ours: TP2 x PP2 1F1B, pool, TP collectives on Gloo",
+                          TP2 + PP2 + ["--pipeline-schedule", "1f1b", "--memory-pool",
+                                       ENV_FLAG + "MAPP_SHM_COLLECTIVES=0"], True),
     "ours-pp": ("ours", "ours: TP2 x PP2 zero-bubble, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
     "ours-pp-dp": ("ours", "ours: PP2 x DP2 zero-bubble, pool", PP2 + [
@@ -122,7 +129,8 @@ SUITES = {
               "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
     # make bench-step: ours against Megatron-Core, like for like (issue 26).
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
-             "ours-pp-1f1b", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b", "ours-pp4"],
+             "ours-pp-1f1b", "ours-pp-1f1b-gloo", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b",
+             "ours-pp4"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
@@ -241,9 +249,18 @@ def worker(a, runs: list) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     results = []
     for stack, flags in runs:
+        env = dict(f[len(ENV_FLAG):].split("=", 1) for f in flags if f.startswith(ENV_FLAG))
+        flags = [f for f in flags if not f.startswith(ENV_FLAG)]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         meter = Meter(sample=a.sample)
         history = _train_one(stack, flags, os.path.dirname(a.out), meter)
         results.append({"history": history, "net": meter.rows})
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(a.out, "w") as f:
         json.dump({"rank": a.rank, "runs": results, "peak_rss": peak_rss}, f)

@@ -164,6 +164,10 @@ def create_parallel_state(
                 f"{virtual_pipeline_model_parallel_size}) need pipeline_model_parallel_size > 1"
             )
     tp_group, tp_ranks = _new_groups(grid, rank, ["tp"], backend)
+    # Tensor-parallel activations move every layer: on one node, through shared memory.
+    from ._collectives import enable_shared_memory
+
+    enable_shared_memory(tp_group)
     dp_group, dp_ranks = _new_groups(grid, rank, ["dp"], backend)
     pp_group, pp_ranks = _new_groups(grid, rank, ["pp"], backend)
     mp_group, mp_ranks = _new_groups(grid, rank, ["tp", "pp"], backend)
@@ -199,8 +203,11 @@ def destroy_model_parallel() -> None:
         return
     groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
               _STATE.model_group, _STATE.embedding_group}
+    from ._collectives import disable_shared_memory
+
     for g in groups:
         if g is not None and dist.is_initialized():
+            disable_shared_memory(g)
             dist.destroy_process_group(g)
     _STATE = None
 

@@ -25,15 +25,15 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_n
   }
 }
 
-// Issues a collective (`issue` returns the c10d Work) and waits for it at most
-// MAPP_COLLECTIVE_TIMEOUT_S: a hang must become an error.
-// Every collective is a trace event carrying its group and per-group sequence
-// number (counted even when tracing is off, so numbers agree across ranks).
-template <typename Issue>
-void run(const char* op, const std::string& group_name, Issue&& issue,
-         std::int64_t bytes = -1) {
-  const auto timeout =
-      std::chrono::milliseconds(1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
+inline std::chrono::milliseconds collective_timeout() {
+  return std::chrono::milliseconds(1000 * tunable_int("MAPP_COLLECTIVE_TIMEOUT_S"));
+}
+
+// Runs `body` (a blocking collective) as a trace event carrying its group and
+// per-group sequence number (counted even when tracing is off, so numbers
+// agree across ranks); a failure becomes an error naming the operation.
+template <typename Body>
+void traced(const char* op, const std::string& group_name, std::int64_t bytes, Body&& body) {
   trace::Scope scope(op, trace::Category::kCollective);
   scope.event().set_group(group_name);
   scope.event().seq = trace::next_seq(group_name);
@@ -41,12 +41,23 @@ void run(const char* op, const std::string& group_name, Issue&& issue,
   trace::set_in_flight(std::string(op) + " on group '" + group_name + "' (seq " +
                        std::to_string(scope.event().seq) + ")");
   try {
-    c10::intrusive_ptr<c10d::Work> work = issue();
-    work->wait(timeout);
+    body();
     trace::set_in_flight("");
   } catch (const std::exception& e) {
     MAPP_FAIL_BACKEND(op, " on group '", group_name, "' failed: ", e.what());
   }
+}
+
+// Issues a c10d collective (`issue` returns the Work) and waits for it at most
+// MAPP_COLLECTIVE_TIMEOUT_S: a hang must become an error.
+template <typename Issue>
+void run(const char* op, const std::string& group_name, Issue&& issue,
+         std::int64_t bytes = -1) {
+  const auto timeout = collective_timeout();
+  traced(op, group_name, bytes, [&] {
+    c10::intrusive_ptr<c10d::Work> work = issue();
+    work->wait(timeout);
+  });
 }
 
 }  // namespace mapp::torch_ext::internal

@@ -5,15 +5,49 @@
 // internals, and it survives torch.compile tracing as a plain string.
 #include <ATen/ATen.h>
 
+#include <map>
+#include <memory>
+#include <mutex>
+
 #include "c10d_util.h"
+#include "mapp/comm/shm_group.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/ops.h"
 
 namespace mapp::torch_ext {
 namespace {
 
+using internal::collective_timeout;
 using internal::resolve;
 using internal::run;
+using internal::traced;
+
+// Groups whose members share this node and a shared-memory segment: their CPU
+// tensors move through it (mapp::comm::ShmGroup) instead of Gloo's sockets.
+std::mutex& shm_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::string, std::shared_ptr<comm::ShmGroup>>& shm_groups() {
+  static auto* groups = new std::map<std::string, std::shared_ptr<comm::ShmGroup>>();
+  return *groups;  // leaked: outlives static destruction order at exit
+}
+
+std::shared_ptr<comm::ShmGroup> shm_for(const at::Tensor& t, const std::string& group_name) {
+  if (!t.device().is_cpu()) return nullptr;
+  std::lock_guard<std::mutex> lock(shm_mu());
+  auto it = shm_groups().find(group_name);
+  return it == shm_groups().end() ? nullptr : it->second;
+}
+
+// Elementwise dst += src over `bytes` of `dtype`, by ATen (every dtype, vectorized).
+comm::ShmGroup::Reduce aten_add(at::ScalarType dtype) {
+  return [dtype](void* dst, const void* src, std::size_t bytes) {
+    const auto n = static_cast<std::int64_t>(bytes / c10::elementSize(dtype));
+    const auto opts = at::TensorOptions().dtype(dtype);
+    at::from_blob(dst, {n}, opts).add_(at::from_blob(const_cast<void*>(src), {n}, opts));
+  };
+}
 
 // Gloo cannot reduce bfloat16; CPU half-precision tensors travel as float32.
 bool needs_upcast(const at::Tensor& t) {
@@ -40,6 +74,15 @@ std::int64_t group_rank(const std::string& group_name) {
 }
 
 at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
+  if (auto shm = shm_for(tensor, group_name)) {
+    at::Tensor buf = tensor.contiguous();
+    traced("all_reduce", group_name, buf.nbytes(), [&] {
+      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(),
+                      aten_add(buf.scalar_type()), collective_timeout());
+    });
+    if (!buf.is_same(tensor)) tensor.copy_(buf);
+    return tensor;
+  }
   auto pg = resolve(group_name);
   if (pg->getSize() == 1) return tensor;
   at::Tensor buf = tensor.is_contiguous() && !needs_upcast(tensor)
@@ -60,13 +103,20 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
   auto pg = resolve(group_name);
   const std::int64_t world = pg->getSize();
   if (world == 1) return tensor.clone();
-  const bool upcast = needs_upcast(tensor);
+  auto shm = shm_for(tensor, group_name);
+  const bool upcast = !shm && needs_upcast(tensor);
   at::Tensor in = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
-  // c10d gathers along dim 0: out is [world * n0, ...], member r at rows r*n0...
+  // Gathered along dim 0: out is [world * n0, ...], member r at rows r*n0...
   std::vector<std::int64_t> shape = in.sizes().vec();
   shape[0] *= world;
   at::Tensor out = at::empty(shape, in.options());
-  run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); }, in.nbytes());
+  if (shm) {
+    traced("all_gather", group_name, in.nbytes(), [&] {
+      shm->all_gather(in.data_ptr(), in.nbytes(), out.data_ptr(), collective_timeout());
+    });
+  } else {
+    run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); }, in.nbytes());
+  }
   at::Tensor gathered = dim == 0 ? out : at::cat(out.chunk(world, 0), dim);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
@@ -80,16 +130,52 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
              " of dim ", dim, " is not divisible by the group size ", world,
              "; pad the tensor or choose a divisible shape");
   if (world == 1) return tensor.clone();
-  const bool upcast = needs_upcast(tensor);
+  auto shm = shm_for(tensor, group_name);
+  const bool upcast = !shm && needs_upcast(tensor);
   at::Tensor src = upcast ? tensor.to(at::kFloat) : tensor;
   // Lay the members' chunks out contiguously in group-rank order.
   at::Tensor in = dim == 0 ? src.contiguous() : at::stack(src.chunk(world, dim)).flatten(0, 1);
   std::vector<std::int64_t> out_shape = src.sizes().vec();
   out_shape[dim] /= world;
   at::Tensor out = at::empty(out_shape, in.options());
-  run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); },
-      in.nbytes());
+  if (shm) {
+    traced("reduce_scatter", group_name, in.nbytes(), [&] {
+      shm->reduce_scatter(in.data_ptr(), out.nbytes(), out.data_ptr(), out.element_size(),
+                          aten_add(out.scalar_type()), collective_timeout());
+    });
+  } else {
+    run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); },
+        in.nbytes());
+  }
   return upcast ? out.to(tensor.scalar_type()) : out;
+}
+
+bool shm_attach(const std::string& group_name, const std::string& shm_name, bool create) {
+  auto pg = resolve(group_name);
+  const int rank = static_cast<int>(pg->getRank());
+  const int world = static_cast<int>(pg->getSize());
+  const auto slot = static_cast<std::size_t>(tunable_int("MAPP_SHM_SLOT_BYTES"));
+  std::shared_ptr<comm::ShmGroup> g = create ? comm::ShmGroup::create(shm_name, rank, world, slot)
+                                             : comm::ShmGroup::open(shm_name, rank, world, slot);
+  std::lock_guard<std::mutex> lock(shm_mu());
+  shm_groups()[group_name] = std::move(g);
+  return true;
+}
+
+void shm_unlink(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(shm_mu());
+  auto it = shm_groups().find(group_name);
+  if (it != shm_groups().end()) it->second->unlink();
+}
+
+void shm_detach(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(shm_mu());
+  shm_groups().erase(group_name);
+}
+
+bool shm_attached(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(shm_mu());
+  return shm_groups().count(group_name) != 0;
 }
 
 }  // namespace mapp::torch_ext

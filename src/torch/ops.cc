@@ -184,6 +184,11 @@ TORCH_LIBRARY(mapp, m) {
   m.def("all_gather(Tensor self, int dim, str group_name) -> Tensor");
   m.def("reduce_scatter(Tensor self, int dim, str group_name) -> Tensor");
   m.def("group_size(str group_name) -> int", &mapp::torch_ext::group_size);
+  m.def("shm_attach(str group_name, str shm_name, bool create) -> bool",
+        &mapp::torch_ext::shm_attach);
+  m.def("shm_unlink(str group_name) -> ()", &mapp::torch_ext::shm_unlink);
+  m.def("shm_detach(str group_name) -> ()", &mapp::torch_ext::shm_detach);
+  m.def("shm_attached(str group_name) -> bool", &mapp::torch_ext::shm_attached);
   m.def("vocab_ce_local_stats(Tensor logits, Tensor target, int vocab_start) -> Tensor");
 
   // Compressed collectives (compressed.h) and their asynchronous works (comm_engine.h).

@@ -27,6 +27,17 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
 at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
                               const std::string& group_name);
 
+// Shared-memory transport for a group whose members share one node: member 0
+// creates the segment `shm_name` (create=true), then the others open it; from
+// then on CPU tensors of all_reduce_sum_ / all_gather / reduce_scatter_sum on
+// this group move through it instead of the group's backend. shm_unlink
+// removes the name once every member opened it; shm_detach goes back to the
+// backend. Python: megatronapp._collectives.enable_shared_memory does all this.
+bool shm_attach(const std::string& group_name, const std::string& shm_name, bool create);
+void shm_unlink(const std::string& group_name);
+void shm_detach(const std::string& group_name);
+bool shm_attached(const std::string& group_name);
+
 // Size of and this process's rank in the named group.
 std::int64_t group_size(const std::string& group_name);
 std::int64_t group_rank(const std::string& group_name);

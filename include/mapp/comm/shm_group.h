@@ -1,0 +1,88 @@
+// Collectives among the processes of one node through one shared-memory
+// segment: the intra-node transport for CPU tensors (what NCCL's SHM/P2P
+// transports are to GPUs). Gloo moves every byte through TCP loopback sockets
+// and its own threads; here a member writes its data once into its slot and
+// the members reduce disjoint sub-chunks in place, so a 512 KiB all-reduce is
+// two memory passes and two barriers.
+//
+// Layout of the segment: a header (magic, world, slot size, the barrier) and
+// two areas of `world` slots of `slot_bytes` each. Consecutive pieces use
+// alternate areas, so a member may overwrite an area once it has passed the
+// first barrier of the *next* piece, which every member reaches only after it
+// finished reading this one: two barriers per all-reduce piece, one per
+// all-gather or reduce-scatter piece. Tensors larger than a slot move in
+// pieces.
+//
+// Every member computes the same result bit for bit: each element is reduced
+// by exactly one member, in member order, and everyone copies that value.
+//
+// The barrier spins briefly, then sleeps on a futex in the shared mapping (so
+// oversubscribed cores are not burnt), and fails with BackendError after the
+// timeout: a dead or diverged member becomes an error naming the operation,
+// never a hang.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace mapp::comm {
+
+class ShmGroup {
+ public:
+  struct Header;  // in the segment; defined in shm_group.cc
+  // `add(dst, src, bytes)` adds the elements at `src` into those at `dst`.
+  using Reduce = std::function<void(void* dst, const void* src, std::size_t bytes)>;
+
+  // Member 0 creates the segment `name` (a POSIX shm name, "/..."); the others
+  // open it after the creator returned (order them with a collective). Open
+  // checks that world and slot size agree with the creator's.
+  static std::unique_ptr<ShmGroup> create(const std::string& name, int rank, int world,
+                                          std::size_t slot_bytes);
+  static std::unique_ptr<ShmGroup> open(const std::string& name, int rank, int world,
+                                        std::size_t slot_bytes);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  // Removes the name (the mappings stay valid); call once every member opened.
+  void unlink();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  std::size_t slot_bytes() const { return slot_bytes_; }
+
+  // In-place sum of `bytes` at `data` (elements of `elem_size` bytes).
+  void all_reduce(void* data, std::size_t bytes, std::size_t elem_size, const Reduce& add,
+                  std::chrono::milliseconds timeout);
+  // `out` (world * bytes) receives every member's `in` (bytes), member-major.
+  void all_gather(const void* in, std::size_t bytes, void* out,
+                  std::chrono::milliseconds timeout);
+  // `in` holds world chunks of `bytes` each; `out` (bytes) receives the sum of
+  // every member's chunk `rank`.
+  void reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,
+                      const Reduce& add, std::chrono::milliseconds timeout);
+
+ private:
+  ShmGroup(const std::string& name, int rank, int world, std::size_t slot_bytes, bool create);
+  std::uint8_t* slot(int area, int member) const;
+  void barrier(const char* op, std::chrono::steady_clock::time_point deadline);
+
+  std::string name_;
+  int rank_;
+  int world_;
+  std::size_t slot_bytes_;
+  std::size_t map_bytes_ = 0;
+  void* base_ = nullptr;
+  Header* header_ = nullptr;
+  std::uint64_t piece_ = 0;  // pieces moved so far; picks the area
+  bool unlinked_ = false;
+  bool broken_ = false;      // a barrier timed out: members are out of step
+  std::mutex mu_;            // one collective at a time per process
+};
+
+}  // namespace mapp::comm

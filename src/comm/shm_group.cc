@@ -1,0 +1,257 @@
+#include "mapp/comm/shm_group.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <ctime>
+#include <new>
+
+#include "mapp/common/check.h"
+
+namespace mapp::comm {
+namespace {
+
+constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
+constexpr std::size_t kHeaderBytes = 4096;
+constexpr int kSpins = 256;   // busy polls before yielding
+constexpr int kYields = 16;   // sched_yield polls before sleeping on the futex
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free,
+              "the shared-memory barrier needs address-free 32-bit atomics");
+
+long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t val, const timespec* ts) {
+  // Not FUTEX_PRIVATE: the word lives in a mapping shared between processes.
+  return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+}  // namespace
+
+struct ShmGroup::Header {
+  std::atomic<std::uint64_t> magic;  // written last by the creator
+  std::uint32_t world;
+  std::uint64_t slot_bytes;
+  alignas(64) std::atomic<std::uint32_t> count;     // members arrived at the barrier
+  alignas(64) std::atomic<std::uint32_t> phase;     // barrier generation (futex word)
+  alignas(64) std::atomic<std::uint32_t> sleepers;  // members asleep on `phase`
+};
+static_assert(sizeof(ShmGroup::Header) <= kHeaderBytes);
+
+std::unique_ptr<ShmGroup> ShmGroup::create(const std::string& name, int rank, int world,
+                                           std::size_t slot_bytes) {
+  return std::unique_ptr<ShmGroup>(new ShmGroup(name, rank, world, slot_bytes, true));
+}
+
+std::unique_ptr<ShmGroup> ShmGroup::open(const std::string& name, int rank, int world,
+                                         std::size_t slot_bytes) {
+  return std::unique_ptr<ShmGroup>(new ShmGroup(name, rank, world, slot_bytes, false));
+}
+
+ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slot_bytes,
+                   bool create)
+    : name_(name), rank_(rank), world_(world), slot_bytes_(slot_bytes) {
+  MAPP_CHECK(world >= 1 && rank >= 0 && rank < world, "shared-memory group: rank ", rank,
+             " is not in a group of ", world, " members");
+  MAPP_CHECK(slot_bytes >= 64 * static_cast<std::size_t>(world) && slot_bytes % 64 == 0,
+             "shared-memory group: slot size ", slot_bytes, " must be a multiple of 64 and at "
+             "least 64 x the group size (", world, "); raise MAPP_SHM_SLOT_BYTES");
+  MAPP_CHECK(!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos,
+             "shared-memory group: '", name, "' is not a POSIX shm name ('/' then no '/')");
+  map_bytes_ = kHeaderBytes + 2 * static_cast<std::size_t>(world) * slot_bytes;
+  const int fd = ::shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0)
+    MAPP_FAIL_BACKEND("shm_open('", name, "') failed: ", errno_text(),
+                      create ? "" : "; the creating member must create it before others open it");
+  if (create && ::ftruncate(fd, static_cast<off_t>(map_bytes_)) != 0) {
+    const std::string why = errno_text();
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    MAPP_FAIL_BACKEND("ftruncate of shared memory '", name, "' to ", map_bytes_,
+                      " bytes failed: ", why, " (is /dev/shm large enough?)");
+  }
+  struct stat st {};
+  if (!create && (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != map_bytes_)) {
+    ::close(fd);
+    MAPP_FAIL_BACKEND("shared memory '", name, "' has ", st.st_size, " bytes, expected ",
+                      map_bytes_, ": members disagree on the group size or MAPP_SHM_SLOT_BYTES");
+  }
+  base_ = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    if (create) ::shm_unlink(name.c_str());
+    MAPP_FAIL_BACKEND("mmap of shared memory '", name, "' (", map_bytes_, " bytes) failed: ",
+                      errno_text());
+  }
+  if (create) {
+    header_ = new (base_) Header();
+    header_->world = static_cast<std::uint32_t>(world);
+    header_->slot_bytes = slot_bytes;
+    header_->magic.store(kMagic, std::memory_order_release);
+  } else {
+    header_ = static_cast<Header*>(base_);
+    MAPP_CHECK(header_->magic.load(std::memory_order_acquire) == kMagic &&
+                   header_->world == static_cast<std::uint32_t>(world) &&
+                   header_->slot_bytes == slot_bytes,
+               "shared memory '", name, "' was not made by a group of ", world, " with slots of ",
+               slot_bytes, " bytes (found world ", header_->world, ", slot ",
+               header_->slot_bytes, "): every member must use the same settings");
+  }
+  unlinked_ = !create;
+}
+
+ShmGroup::~ShmGroup() {
+  if (base_ != nullptr) ::munmap(base_, map_bytes_);
+  if (!unlinked_) ::shm_unlink(name_.c_str());
+}
+
+void ShmGroup::unlink() {
+  if (!unlinked_) ::shm_unlink(name_.c_str());
+  unlinked_ = true;
+}
+
+std::uint8_t* ShmGroup::slot(int area, int member) const {
+  return static_cast<std::uint8_t*>(base_) + kHeaderBytes +
+         (static_cast<std::size_t>(area) * world_ + member) * slot_bytes_;
+}
+
+void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point deadline) {
+  Header& h = *header_;
+  const std::uint32_t phase = h.phase.load(std::memory_order_acquire);
+  if (h.count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(world_)) {
+    h.count.store(0, std::memory_order_relaxed);
+    h.phase.store(phase + 1, std::memory_order_seq_cst);
+    if (h.sleepers.load(std::memory_order_seq_cst) > 0)
+      futex(&h.phase, FUTEX_WAKE, INT_MAX, nullptr);
+    return;
+  }
+  for (int i = 0; i < kSpins + kYields; ++i) {
+    if (h.phase.load(std::memory_order_acquire) != phase) return;
+    if (i < kSpins) {
+      cpu_relax();
+    } else {
+      sched_yield();
+    }
+  }
+  for (;;) {
+    if (h.phase.load(std::memory_order_acquire) != phase) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      broken_ = true;
+      MAPP_FAIL_BACKEND(op, " on shared-memory group '", name_, "' (member ", rank_, " of ",
+                        world_, ") timed out waiting for the other members: one of them died, "
+                        "is stuck, or issued a different collective (MAPP_COLLECTIVE_TIMEOUT_S)");
+    }
+    const auto left = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
+    timespec ts{static_cast<time_t>(left.count() / 1000000000),
+                static_cast<long>(left.count() % 1000000000)};
+    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (h.phase.load(std::memory_order_seq_cst) == phase) futex(&h.phase, FUTEX_WAIT, phase, &ts);
+    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+namespace {
+
+void check_usable(bool broken, const std::string& name, const char* op) {
+  MAPP_CHECK_STATE(!broken, op, " on shared-memory group '", name,
+                   "': an earlier collective on this group timed out, so the members are out "
+                   "of step; the group cannot be used again (restart the job)");
+}
+
+}  // namespace
+
+void ShmGroup::all_reduce(void* data, std::size_t bytes, std::size_t elem_size, const Reduce& add,
+                          std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "all_reduce");
+  MAPP_CHECK(elem_size > 0 && bytes % elem_size == 0, "all_reduce: ", bytes,
+             " bytes is not a whole number of ", elem_size, "-byte elements");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto* p = static_cast<std::uint8_t*>(data);
+  const std::size_t n = bytes / elem_size;
+  const std::size_t piece_elems = slot_bytes_ / elem_size;
+  for (std::size_t off = 0; off < n; off += piece_elems) {
+    const std::size_t cnt = std::min(piece_elems, n - off);
+    const int area = static_cast<int>(piece_++ & 1);
+    std::memcpy(slot(area, rank_), p + off * elem_size, cnt * elem_size);
+    barrier("all_reduce", deadline);
+    // Member r reduces sub-chunk r into its own slot, adding the others in member order.
+    const std::size_t per = (cnt + world_ - 1) / world_;
+    const auto range = [&](int m) {
+      const std::size_t lo = std::min(cnt, per * m);
+      return std::pair<std::size_t, std::size_t>(lo, std::min(cnt, lo + per));
+    };
+    const auto [lo, hi] = range(rank_);
+    if (hi > lo) {
+      for (int m = 0; m < world_; ++m) {
+        if (m != rank_)
+          add(slot(area, rank_) + lo * elem_size, slot(area, m) + lo * elem_size,
+              (hi - lo) * elem_size);
+      }
+    }
+    barrier("all_reduce", deadline);
+    for (int m = 0; m < world_; ++m) {
+      const auto [mlo, mhi] = range(m);
+      if (mhi > mlo)
+        std::memcpy(p + (off + mlo) * elem_size, slot(area, m) + mlo * elem_size,
+                    (mhi - mlo) * elem_size);
+    }
+  }
+}
+
+void ShmGroup::all_gather(const void* in, std::size_t bytes, void* out,
+                          std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "all_gather");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto* src = static_cast<const std::uint8_t*>(in);
+  auto* dst = static_cast<std::uint8_t*>(out);
+  for (std::size_t off = 0; off < bytes; off += slot_bytes_) {
+    const std::size_t cnt = std::min(slot_bytes_, bytes - off);
+    const int area = static_cast<int>(piece_++ & 1);
+    std::memcpy(slot(area, rank_), src + off, cnt);
+    barrier("all_gather", deadline);
+    for (int m = 0; m < world_; ++m) std::memcpy(dst + m * bytes + off, slot(area, m), cnt);
+  }
+}
+
+void ShmGroup::reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,
+                              const Reduce& add, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "reduce_scatter");
+  MAPP_CHECK(elem_size > 0 && bytes % elem_size == 0, "reduce_scatter: ", bytes,
+             " bytes is not a whole number of ", elem_size, "-byte elements");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto* src = static_cast<const std::uint8_t*>(in);
+  auto* dst = static_cast<std::uint8_t*>(out);
+  // A piece carries `step` bytes of each of the world chunks.
+  const std::size_t step = slot_bytes_ / world_ / elem_size * elem_size;
+  for (std::size_t off = 0; off < bytes; off += step) {
+    const std::size_t cnt = std::min(step, bytes - off);
+    const int area = static_cast<int>(piece_++ & 1);
+    for (int m = 0; m < world_; ++m) std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
+    barrier("reduce_scatter", deadline);
+    std::memcpy(dst + off, slot(area, 0) + rank_ * cnt, cnt);
+    for (int m = 1; m < world_; ++m) add(dst + off, slot(area, m) + rank_ * cnt, cnt);
+  }
+}
+
+}  // namespace mapp::comm

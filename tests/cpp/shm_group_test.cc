@@ -1,0 +1,137 @@
+// The shared-memory group among real processes (fork): sums, gathers and
+// reduce-scatters against closed forms, in pieces smaller than the data, and
+// the failure paths (a member that never arrives, mismatched settings).
+#include "mapp/comm/shm_group.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mapp/common/check.h"
+
+namespace mapp::comm {
+namespace {
+
+using std::chrono::milliseconds;
+
+const ShmGroup::Reduce kAddFloat = [](void* dst, const void* src, std::size_t bytes) {
+  auto* d = static_cast<float*>(dst);
+  const auto* s = static_cast<const float*>(src);
+  for (std::size_t i = 0; i < bytes / sizeof(float); ++i) d[i] += s[i];
+};
+
+std::string unique_name(const char* what) {
+  return "/mapp-test-" + std::string(what) + "-" + std::to_string(::getpid());
+}
+
+// Runs body(member) in `world` processes (member 0 creates the segment before
+// the others start) and expects every one of them to exit 0.
+void run_members(int world, std::size_t slot, const std::string& name,
+                 const std::function<int(ShmGroup&)>& body) {
+  auto creator = ShmGroup::create(name, 0, world, slot);
+  std::vector<pid_t> pids;
+  for (int m = 0; m < world; ++m) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      int rc = 0;
+      try {
+        if (m == 0) {
+          rc = body(*creator);
+        } else {
+          auto g = ShmGroup::open(name, m, world, slot);
+          rc = body(*g);
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "member %d: %s\n", m, e.what());
+        rc = 3;
+      }
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  for (int m = 0; m < world; ++m) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pids[m], &status, 0), pids[m]);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "member " << m << " failed";
+  }
+  creator->unlink();
+}
+
+TEST(ShmGroup, AllReduceMatchesClosedFormAcrossPieces) {
+  for (int world : {2, 3, 4}) {
+    // 256-byte slots: 1000 floats move in 16 pieces, the last one short.
+    run_members(world, 256, unique_name("ar"), [world](ShmGroup& g) {
+      for (std::size_t n : {1UL, 7UL, 64UL, 1000UL}) {
+        std::vector<float> x(n);
+        for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(g.rank() * 1000 + i);
+        g.all_reduce(x.data(), n * sizeof(float), sizeof(float), kAddFloat, milliseconds(20000));
+        const float base = 1000.0F * static_cast<float>(world * (world - 1) / 2);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (x[i] != base + static_cast<float>(world * i)) return 1;
+        }
+      }
+      return 0;
+    });
+  }
+}
+
+TEST(ShmGroup, AllGatherAndReduceScatterMatchClosedForm) {
+  run_members(3, 192, unique_name("ag"), [](ShmGroup& g) {
+    const int w = g.world();
+    const std::size_t n = 100;  // floats per member: 400 bytes, pieces of 192
+    std::vector<float> in(n), out(n * w);
+    for (std::size_t i = 0; i < n; ++i) in[i] = static_cast<float>(g.rank() * 10000 + i);
+    g.all_gather(in.data(), n * sizeof(float), out.data(), milliseconds(20000));
+    for (int m = 0; m < w; ++m) {
+      for (std::size_t i = 0; i < n; ++i) {
+        if (out[m * n + i] != static_cast<float>(m * 10000 + i)) return 1;
+      }
+    }
+    // reduce_scatter: chunk c of member m holds m + c*1000 + i.
+    std::vector<float> full(n * w), mine(n);
+    for (int c = 0; c < w; ++c) {
+      for (std::size_t i = 0; i < n; ++i) full[c * n + i] = static_cast<float>(g.rank() + c * 1000 + i);
+    }
+    g.reduce_scatter(full.data(), n * sizeof(float), mine.data(), sizeof(float), kAddFloat,
+                     milliseconds(20000));
+    for (std::size_t i = 0; i < n; ++i) {
+      const float want = static_cast<float>(w * (w - 1) / 2 + w * (g.rank() * 1000 + i));
+      if (mine[i] != want) return 2;
+    }
+    return 0;
+  });
+}
+
+TEST(ShmGroup, MissingMemberTimesOutThenRefusesFurtherUse) {
+  auto g = ShmGroup::create(unique_name("to"), 0, 2, 256);
+  float x = 1.0F;
+  try {
+    g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(200));
+    FAIL() << "expected a timeout";
+  } catch (const BackendError& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(200)), StateError);
+}
+
+TEST(ShmGroup, BadSettingsAreClearErrors) {
+  const std::string name = unique_name("bad");
+  auto g = ShmGroup::create(name, 0, 2, 256);
+  EXPECT_THROW(ShmGroup::open(name, 1, 3, 256), BackendError);  // size differs
+  EXPECT_THROW(ShmGroup::open(unique_name("absent"), 1, 2, 256), BackendError);
+  EXPECT_THROW(ShmGroup::create("no-slash", 0, 2, 256), ValueError);
+  EXPECT_THROW(ShmGroup::create(unique_name("r"), 2, 2, 256), ValueError);
+  EXPECT_THROW(ShmGroup::create(unique_name("s"), 0, 4, 100), ValueError);
+  float x = 0.0F;
+  EXPECT_THROW(g->all_reduce(&x, 3, sizeof x, kAddFloat, milliseconds(100)), ValueError);
+}
+
+}  // namespace
+}  // namespace mapp::comm
