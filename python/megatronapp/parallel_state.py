@@ -164,10 +164,6 @@ def create_parallel_state(
                 f"{virtual_pipeline_model_parallel_size}) need pipeline_model_parallel_size > 1"
             )
     tp_group, tp_ranks = _new_groups(grid, rank, ["tp"], backend)
-    # Tensor-parallel activations move every layer: on one node, through shared memory.
-    from ._collectives import enable_shared_memory
-
-    enable_shared_memory(tp_group)
     dp_group, dp_ranks = _new_groups(grid, rank, ["dp"], backend)
     pp_group, pp_ranks = _new_groups(grid, rank, ["pp"], backend)
     mp_group, mp_ranks = _new_groups(grid, rank, ["tp", "pp"], backend)
@@ -181,6 +177,12 @@ def create_parallel_state(
         g = dist.new_group(ranks=list(ranks), backend=backend)
         if rank in ranks:
             emb_group, emb_ranks = g, list(ranks)
+    # On one node our collectives on these groups (tensor-parallel activations,
+    # data-parallel buckets, norms, tied embeddings) move through shared memory.
+    from ._collectives import enable_shared_memory
+
+    for g in (tp_group, dp_group, mp_group, emb_group):
+        enable_shared_memory(g)
     return ParallelState(
         grid=grid,
         rank=rank,

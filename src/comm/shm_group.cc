@@ -233,6 +233,23 @@ void ShmGroup::all_gather(const void* in, std::size_t bytes, void* out,
   }
 }
 
+void ShmGroup::all_to_all(const void* in, std::size_t bytes, void* out,
+                          std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "all_to_all");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto* src = static_cast<const std::uint8_t*>(in);
+  auto* dst = static_cast<std::uint8_t*>(out);
+  const std::size_t step = slot_bytes_ / world_;  // bytes of each chunk per piece
+  for (std::size_t off = 0; off < bytes; off += step) {
+    const std::size_t cnt = std::min(step, bytes - off);
+    const int area = static_cast<int>(piece_++ & 1);
+    for (int m = 0; m < world_; ++m) std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
+    barrier("all_to_all", deadline);
+    for (int m = 0; m < world_; ++m) std::memcpy(dst + m * bytes + off, slot(area, m) + rank_ * cnt, cnt);
+  }
+}
+
 void ShmGroup::reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,
                               const Reduce& add, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -9,6 +9,7 @@
 #include <exception>
 #include <string>
 
+#include "mapp/comm/shm_group.h"
 #include "mapp/common/check.h"
 #include "mapp/common/tunables.h"
 #include "mapp/trace/tracer.h"
@@ -59,5 +60,27 @@ void run(const char* op, const std::string& group_name, Issue&& issue,
     work->wait(timeout);
   });
 }
+
+// ---- the group's transport (src/torch/collectives.cc) ----------------------------
+// The shared-memory group registered for `group_name` (Python:
+// _collectives.enable_shared_memory) when `t` is a CPU tensor, else null.
+std::shared_ptr<comm::ShmGroup> shm_for(const at::Tensor& t, const std::string& group_name);
+bool has_shm(const at::Tensor& t, const std::string& group_name);
+// Elementwise dst += src of `dtype` (ATen), the reduction of the shared-memory group.
+comm::ShmGroup::Reduce aten_add(at::ScalarType dtype);
+
+// Blocking collectives on contiguous tensors, through the group's shared
+// memory when it has one, else through c10d `pg`; traced as `op`.
+// all_reduce_base: in-place sum. all_gather_base: out = [world x in].
+// reduce_scatter_base: in = [world x out], out = sum of chunk `rank`.
+// all_to_all_base: equal chunks, chunk j of member i -> chunk i of member j.
+void all_reduce_base(at::Tensor& buf, const std::string& group_name, c10d::ProcessGroup& pg,
+                     const char* op);
+void all_gather_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                     c10d::ProcessGroup& pg, const char* op);
+void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                         c10d::ProcessGroup& pg, const char* op);
+void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                     c10d::ProcessGroup& pg, const char* op);
 
 }  // namespace mapp::torch_ext::internal

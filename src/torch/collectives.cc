@@ -15,12 +15,7 @@
 #include "mapp/torch/ops.h"
 
 namespace mapp::torch_ext {
-namespace {
-
-using internal::collective_timeout;
-using internal::resolve;
-using internal::run;
-using internal::traced;
+namespace internal {
 
 // Groups whose members share this node and a shared-memory segment: their CPU
 // tensors move through it (mapp::comm::ShmGroup) instead of Gloo's sockets.
@@ -49,6 +44,72 @@ comm::ShmGroup::Reduce aten_add(at::ScalarType dtype) {
   };
 }
 
+bool has_shm(const at::Tensor& t, const std::string& group_name) {
+  return shm_for(t, group_name) != nullptr;
+}
+
+void all_reduce_base(at::Tensor& buf, const std::string& group_name, c10d::ProcessGroup& pg,
+                     const char* op) {
+  if (auto shm = shm_for(buf, group_name)) {
+    traced(op, group_name, buf.nbytes(), [&] {
+      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(),
+                      aten_add(buf.scalar_type()), collective_timeout());
+    });
+    return;
+  }
+  std::vector<at::Tensor> tensors{buf};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  run(op, group_name, [&] { return pg.allreduce(tensors, opts); }, buf.nbytes());
+}
+
+void all_gather_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                     c10d::ProcessGroup& pg, const char* op) {
+  if (auto shm = shm_for(in, group_name)) {
+    traced(op, group_name, in.nbytes(), [&] {
+      shm->all_gather(in.data_ptr(), in.nbytes(), out.data_ptr(), collective_timeout());
+    });
+    return;
+  }
+  at::Tensor src = in;  // c10d's signature takes a mutable reference
+  run(op, group_name, [&] { return pg._allgather_base(out, src); }, in.nbytes());
+}
+
+void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                         c10d::ProcessGroup& pg, const char* op) {
+  if (auto shm = shm_for(in, group_name)) {
+    traced(op, group_name, in.nbytes(), [&] {
+      shm->reduce_scatter(in.data_ptr(), out.nbytes(), out.data_ptr(), out.element_size(),
+                          aten_add(out.scalar_type()), collective_timeout());
+    });
+    return;
+  }
+  at::Tensor src = in;
+  run(op, group_name, [&] { return pg._reduce_scatter_base(out, src); }, in.nbytes());
+}
+
+void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
+                     c10d::ProcessGroup& pg, const char* op) {
+  if (auto shm = shm_for(in, group_name)) {
+    traced(op, group_name, in.nbytes(), [&] {
+      shm->all_to_all(in.data_ptr(), in.nbytes() / shm->world(), out.data_ptr(),
+                      collective_timeout());
+    });
+    return;
+  }
+  at::Tensor src = in;
+  std::vector<std::int64_t> splits;  // equal splits
+  run(op, group_name, [&] { return pg.alltoall_base(out, src, splits, splits); }, in.nbytes());
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::all_gather_base;
+using internal::all_reduce_base;
+using internal::reduce_scatter_base;
+
 // Gloo cannot reduce bfloat16; CPU half-precision tensors travel as float32.
 bool needs_upcast(const at::Tensor& t) {
   return t.device().is_cpu() &&
@@ -63,6 +124,10 @@ std::int64_t normalize_dim(const at::Tensor& t, std::int64_t dim, const char* op
   return dim < 0 ? dim + nd : dim;
 }
 
+using internal::resolve;
+using internal::shm_groups;
+using internal::shm_mu;
+
 }  // namespace
 
 std::int64_t group_size(const std::string& group_name) {
@@ -74,25 +139,14 @@ std::int64_t group_rank(const std::string& group_name) {
 }
 
 at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
-  if (auto shm = shm_for(tensor, group_name)) {
-    at::Tensor buf = tensor.contiguous();
-    traced("all_reduce", group_name, buf.nbytes(), [&] {
-      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(),
-                      aten_add(buf.scalar_type()), collective_timeout());
-    });
-    if (!buf.is_same(tensor)) tensor.copy_(buf);
-    return tensor;
-  }
   auto pg = resolve(group_name);
   if (pg->getSize() == 1) return tensor;
-  at::Tensor buf = tensor.is_contiguous() && !needs_upcast(tensor)
+  // Gloo cannot reduce bfloat16/float16 (shared memory can).
+  const bool upcast = !internal::has_shm(tensor, group_name) && needs_upcast(tensor);
+  at::Tensor buf = tensor.is_contiguous() && !upcast
                        ? tensor
-                       : tensor.to(needs_upcast(tensor) ? at::kFloat : tensor.scalar_type())
-                             .contiguous();
-  std::vector<at::Tensor> tensors{buf};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  run("all_reduce", group_name, [&] { return pg->allreduce(tensors, opts); }, buf.nbytes());
+                       : tensor.to(upcast ? at::kFloat : tensor.scalar_type()).contiguous();
+  all_reduce_base(buf, group_name, *pg, "all_reduce");
   if (!buf.is_same(tensor)) tensor.copy_(buf);
   return tensor;
 }
@@ -103,20 +157,13 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
   auto pg = resolve(group_name);
   const std::int64_t world = pg->getSize();
   if (world == 1) return tensor.clone();
-  auto shm = shm_for(tensor, group_name);
-  const bool upcast = !shm && needs_upcast(tensor);
+  const bool upcast = !internal::has_shm(tensor, group_name) && needs_upcast(tensor);
   at::Tensor in = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
   // Gathered along dim 0: out is [world * n0, ...], member r at rows r*n0...
   std::vector<std::int64_t> shape = in.sizes().vec();
   shape[0] *= world;
   at::Tensor out = at::empty(shape, in.options());
-  if (shm) {
-    traced("all_gather", group_name, in.nbytes(), [&] {
-      shm->all_gather(in.data_ptr(), in.nbytes(), out.data_ptr(), collective_timeout());
-    });
-  } else {
-    run("all_gather", group_name, [&] { return pg->_allgather_base(out, in); }, in.nbytes());
-  }
+  all_gather_base(out, in, group_name, *pg, "all_gather");
   at::Tensor gathered = dim == 0 ? out : at::cat(out.chunk(world, 0), dim);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
@@ -130,23 +177,14 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
              " of dim ", dim, " is not divisible by the group size ", world,
              "; pad the tensor or choose a divisible shape");
   if (world == 1) return tensor.clone();
-  auto shm = shm_for(tensor, group_name);
-  const bool upcast = !shm && needs_upcast(tensor);
+  const bool upcast = !internal::has_shm(tensor, group_name) && needs_upcast(tensor);
   at::Tensor src = upcast ? tensor.to(at::kFloat) : tensor;
   // Lay the members' chunks out contiguously in group-rank order.
   at::Tensor in = dim == 0 ? src.contiguous() : at::stack(src.chunk(world, dim)).flatten(0, 1);
   std::vector<std::int64_t> out_shape = src.sizes().vec();
   out_shape[dim] /= world;
   at::Tensor out = at::empty(out_shape, in.options());
-  if (shm) {
-    traced("reduce_scatter", group_name, in.nbytes(), [&] {
-      shm->reduce_scatter(in.data_ptr(), out.nbytes(), out.data_ptr(), out.element_size(),
-                          aten_add(out.scalar_type()), collective_timeout());
-    });
-  } else {
-    run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(out, in); },
-        in.nbytes());
-  }
+  reduce_scatter_base(out, in, group_name, *pg, "reduce_scatter");
   return upcast ? out.to(tensor.scalar_type()) : out;
 }
 

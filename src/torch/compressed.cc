@@ -19,7 +19,6 @@ using internal::decode;
 using internal::encode;
 using internal::encode_into;
 using internal::resolve;
-using internal::run;
 
 void check_state(const std::vector<at::Tensor>& state,
                  const std::vector<std::vector<std::int64_t>>& shapes, const Spec& spec) {
@@ -49,9 +48,7 @@ at::Tensor two_phase_scatter(const Spec& spec, const at::Tensor& x /*padded f32*
                 send.narrow(0, j * pb, pb));
   }
   at::Tensor recv = at::empty_like(send);
-  std::vector<std::int64_t> splits;  // equal splits
-  run("compressed reduce-scatter (all-to-all)", group,
-      [&] { return pg.alltoall_base(recv, send, splits, splits); });
+  internal::all_to_all_base(recv, send, group, pg, "compressed reduce-scatter (all-to-all)");
   st.sent_bytes += (world - 1) * pb;
   at::Tensor acc = at::zeros({chunk}, x.options());
   for (std::int64_t i = 0; i < world; ++i) decode(spec, recv.narrow(0, i * pb, pb), acc, true);
@@ -65,7 +62,7 @@ void two_phase_gather(const Spec& spec, const at::Tensor& chunk, const at::Tenso
   at::Tensor payload = encode(spec, chunk, err_server);
   const std::int64_t pb = payload.numel();
   at::Tensor all = at::empty({world * pb}, payload.options());
-  run("compressed all-gather", group, [&] { return pg._allgather_base(all, payload); });
+  internal::all_gather_base(all, payload, group, pg, "compressed all-gather");
   st.sent_bytes += (world - 1) * pb;
   for (std::int64_t i = 0; i < world; ++i) {
     at::Tensor dst = out.narrow(0, i * c, c);
@@ -75,10 +72,7 @@ void two_phase_gather(const Spec& spec, const at::Tensor& chunk, const at::Tenso
 
 void plain_all_reduce(at::Tensor& x, const std::string& group, c10d::ProcessGroup& pg,
                       CommStats& st) {
-  std::vector<at::Tensor> ts{x};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  run("all_reduce", group, [&] { return pg.allreduce(ts, opts); });
+  internal::all_reduce_base(x, group, pg, "all_reduce");
   st.sent_bytes += 2 * (pg.getSize() - 1) * x.numel() * 4 / pg.getSize();
 }
 
@@ -104,7 +98,7 @@ void topk_all_reduce(const Spec& spec, at::Tensor& x, at::Tensor& err, const std
     for (std::int64_t i = 0; i < k; ++i) e[idx[i]] = 0.f;
   }
   at::Tensor all = at::empty({world * pb}, payload.options());
-  run("top-k all-gather", group, [&] { return pg._allgather_base(all, payload); });
+  internal::all_gather_base(all, payload, group, pg, "top-k all-gather");
   st.sent_bytes += (world - 1) * pb;
   x.zero_();
   for (std::int64_t i = 0; i < world; ++i) {
@@ -291,7 +285,7 @@ at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
     mine = padded;
   } else if (spec.kind == Kind::kNone) {
     mine = at::empty({c}, padded.options());
-    run("reduce_scatter", group_name, [&] { return pg->_reduce_scatter_base(mine, padded); });
+    internal::reduce_scatter_base(mine, padded, group_name, *pg, "reduce_scatter");
     st.sent_bytes += (world - 1) * c * 4;
   } else if (spec.elementwise()) {
     const auto shapes = state_shapes(spec, n, world, layout);

@@ -82,7 +82,7 @@ TEST(ShmGroup, AllReduceMatchesClosedFormAcrossPieces) {
   }
 }
 
-TEST(ShmGroup, AllGatherAndReduceScatterMatchClosedForm) {
+TEST(ShmGroup, AllGatherAllToAllAndReduceScatterMatchClosedForm) {
   run_members(3, 192, unique_name("ag"), [](ShmGroup& g) {
     const int w = g.world();
     const std::size_t n = 100;  // floats per member: 400 bytes, pieces of 192
@@ -104,6 +104,17 @@ TEST(ShmGroup, AllGatherAndReduceScatterMatchClosedForm) {
     for (std::size_t i = 0; i < n; ++i) {
       const float want = static_cast<float>(w * (w - 1) / 2 + w * (g.rank() * 1000 + i));
       if (mine[i] != want) return 2;
+    }
+    // all_to_all: chunk c of member m holds m * 100 + c * 10000 + i.
+    std::vector<float> sent(n * w), got(n * w);
+    for (int c = 0; c < w; ++c) {
+      for (std::size_t i = 0; i < n; ++i) sent[c * n + i] = static_cast<float>(g.rank() * 100 + c * 10000 + i);
+    }
+    g.all_to_all(sent.data(), n * sizeof(float), got.data(), milliseconds(20000));
+    for (int m = 0; m < w; ++m) {
+      for (std::size_t i = 0; i < n; ++i) {
+        if (got[m * n + i] != static_cast<float>(m * 100 + g.rank() * 10000 + i)) return 4;
+      }
     }
     return 0;
   });

@@ -79,19 +79,25 @@ def test_shared_memory_collectives_match_gloo_and_closed_form(world, slot):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("mapp-")]
 
 
-def _model_parallel_groups(rank, world, env):
+def _model_parallel_groups(rank, world, pp, env):
     os.environ.update(env)
     import megatronapp as mapp
     from megatronapp import _collectives as C
 
     st = mapp.initialize_model_parallel(tensor_model_parallel_size=2,
-                                        pipeline_model_parallel_size=2)
-    return C.shared_memory_enabled(st.tensor_group), C.shared_memory_enabled(st.data_group)
+                                        pipeline_model_parallel_size=pp)
+    return [C.shared_memory_enabled(g) for g in
+            (st.tensor_group, st.data_group, st.model_group, st.pipeline_group)]
 
 
-def test_tensor_parallel_group_uses_shared_memory_by_default_and_can_opt_out():
-    assert run_ranks(_model_parallel_groups, 4, {}) == [(True, False)] * 4
-    assert run_ranks(_model_parallel_groups, 4, {"MAPP_SHM_COLLECTIVES": "0"}) == [(False, False)] * 4
+def test_model_parallel_groups_use_shared_memory_by_default_and_can_opt_out():
+    # TP2 x PP2: tensor and model groups (data groups are single ranks; the
+    # pipeline's P2P does not go through these collectives).
+    assert run_ranks(_model_parallel_groups, 4, 2, {}) == [[True, False, True, False]] * 4
+    # TP2 x DP2: the data-parallel group too.
+    assert run_ranks(_model_parallel_groups, 4, 1, {}) == [[True, True, True, False]] * 4
+    assert (run_ranks(_model_parallel_groups, 4, 1, {"MAPP_SHM_COLLECTIVES": "0"})
+            == [[False] * 4] * 4)
 
 
 def _other_node(rank, world):
@@ -133,3 +139,36 @@ def _missing_member(rank, world):
 
 def test_missing_member_is_an_error_not_a_hang():
     assert run_ranks(_missing_member, 2) == ["raised", "skipped"]
+
+
+def _compressed_agree(rank, world):
+    import torch.distributed as dist
+
+    import megatronapp as mapp
+    from megatronapp import _collectives as C
+
+    shm, gloo = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    assert C.enable_shared_memory(shm)
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(1000, generator=g)
+    bad = []
+    for spec in ("none", "bf16", "int8", "onebit", "topk:0.1"):
+        a = mapp.comm.all_reduce(x.clone(), shm, spec)
+        b = mapp.comm.all_reduce(x.clone(), gloo, spec)
+        ra = mapp.comm.reduce_scatter(x.clone(), shm, spec)
+        rb = mapp.comm.reduce_scatter(x.clone(), gloo, spec)
+        # The codecs' payloads are only moved: same bytes, same decoded sums.
+        # Plain sums of 3+ members differ from Gloo's in summation order only.
+        if spec == "none" and world > 2:
+            ok = torch.allclose(a, b, atol=1e-6) and torch.allclose(ra, rb, atol=1e-6)
+        else:
+            ok = torch.equal(a, b) and torch.equal(ra, rb)
+        if not ok:
+            bad.append(f"{spec}: max diff {(a - b).abs().max().item():.3e}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_collectives_through_shared_memory_match_gloo(world):
+    for bad in run_ranks(_compressed_agree, world):
+        assert not bad, bad

@@ -10,7 +10,7 @@
 // alternate areas, so a member may overwrite an area once it has passed the
 // first barrier of the *next* piece, which every member reaches only after it
 // finished reading this one: two barriers per all-reduce piece, one per
-// all-gather or reduce-scatter piece. Tensors larger than a slot move in
+// all-gather, all-to-all or reduce-scatter piece. Tensors larger than a slot move in
 // pieces.
 //
 // Every member computes the same result bit for bit: each element is reduced
@@ -61,6 +61,10 @@ class ShmGroup {
                   std::chrono::milliseconds timeout);
   // `out` (world * bytes) receives every member's `in` (bytes), member-major.
   void all_gather(const void* in, std::size_t bytes, void* out,
+                  std::chrono::milliseconds timeout);
+  // `in` and `out` hold world chunks of `bytes` each: chunk j of member i's
+  // `in` lands in chunk i of member j's `out`.
+  void all_to_all(const void* in, std::size_t bytes, void* out,
                   std::chrono::milliseconds timeout);
   // `in` holds world chunks of `bytes` each; `out` (bytes) receives the sum of
   // every member's chunk `rank`.
