@@ -79,12 +79,18 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
   if (fd < 0)
     MAPP_FAIL_BACKEND("shm_open('", name, "') failed: ", errno_text(),
                       create ? "" : "; the creating member must create it before others open it");
-  if (create && ::ftruncate(fd, static_cast<off_t>(map_bytes_)) != 0) {
-    const std::string why = errno_text();
-    ::close(fd);
-    ::shm_unlink(name.c_str());
-    MAPP_FAIL_BACKEND("ftruncate of shared memory '", name, "' to ", map_bytes_,
-                      " bytes failed: ", why, " (is /dev/shm large enough?)");
+  // Reserve the pages now: on a size-limited tmpfs (a container's 64 MiB
+  // /dev/shm) a sparse segment would fail later with SIGBUS, not an error.
+  if (create) {
+    const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(map_bytes_));
+    if (rc != 0) {
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+      MAPP_FAIL_BACKEND("reserving ", map_bytes_, " bytes of shared memory '", name,
+                        "' failed: ", std::strerror(rc),
+                        " (is /dev/shm large enough? lower MAPP_SHM_SLOT_BYTES or set "
+                        "MAPP_SHM_COLLECTIVES=0)");
+    }
   }
   struct stat st {};
   if (!create && (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != map_bytes_)) {
