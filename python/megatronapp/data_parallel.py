@@ -22,6 +22,13 @@ How it works:
   them, so ``loss.backward()`` returns with averaged gradients. Calling it
   again is a no-op.
 * Gradients are averaged (SUM, then divide: Gloo's AVG has a known bug).
+* **Mixed precision** (``grad_reduce_in_fp32=True``, Megatron's DDP option):
+  for parameters in bf16/fp16 the buckets hold float32 gradients; each such
+  parameter gets ``param.main_grad``, a float32 view into its bucket, and the
+  post-accumulate hook adds ``param.grad`` into it and frees ``param.grad``
+  (microbatches accumulate in float32, and the reduction and any codec run on
+  float32). Such buffers are zeroed by :meth:`zero_grad_buffer` (the
+  optimizers' ``zero_grad`` calls it), not by forward.
 * ``no_sync()`` skips synchronization (gradient accumulation), like torch DDP.
 * Under pipeline parallelism (``megatronapp.pipeline.forward_backward``) the
   executor uses the module as a :class:`~megatronapp.pipeline.GradSync`: it
@@ -64,8 +71,8 @@ class Bucket:
     params: list
     offsets: list  # element offset of each param in the bucket
     numel: int
-    dtype: torch.dtype
-    grad_data: torch.Tensor
+    dtype: torch.dtype  # of the parameters
+    grad_data: torch.Tensor  # float32 when the parameters keep main gradients
     param_data: torch.Tensor | None = None  # ZeRO-1: params are views into this
     layout: list = field(default_factory=list)  # flattened (offset, rows, cols) of 2-D params
     state: dict = field(default_factory=dict)  # codec spec -> state tensors
@@ -91,11 +98,13 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: submit bucket reductions during backward (True)
             or all at the end of backward (False).
         broadcast_parameters: copy rank 0's parameters to every rank first.
+        grad_reduce_in_fp32: accumulate and reduce the gradients of non-fp32
+            parameters in float32 ``param.main_grad`` buffers.
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
                  bucket_size_mb: float = 25, compression=None, overlap_grad_reduce: bool = True,
-                 broadcast_parameters: bool = True,
+                 broadcast_parameters: bool = True, grad_reduce_in_fp32: bool = False,
                  parallel_state: ParallelState | None = None):
         super().__init__()
         self.module = module
@@ -120,6 +129,7 @@ class DistributedDataParallel(nn.Module):
         # buckets hold different shards) and the replicas would drift apart.
         self._exact_replicated = tp_size > 1
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.bucket_size = int(bucket_size_mb * 1024 * 1024)
         if self.bucket_size <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
@@ -191,15 +201,27 @@ class DistributedDataParallel(nn.Module):
                 layout += [n, p.shape[0], p.shape[1]]
             n += p.numel()
         dtype, device = params[0].dtype, params[0].device
-        grad = torch.zeros(n, dtype=dtype, device=device)
+        grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
+        grad = torch.zeros(n, dtype=grad_dtype, device=device)
         b = Bucket(index=len(self.buckets), params=params, offsets=offsets, numel=n,
                    dtype=dtype, grad_data=grad, layout=layout, exact=exact)
         self.buckets.append(b)
         self._attach_grads(b, zero=True)
 
+    @staticmethod
+    def _keeps_main_grad(b: Bucket) -> bool:
+        return b.grad_data.dtype != b.dtype
+
     def _attach_grads(self, b: Bucket, zero: bool) -> None:
         for p, off in zip(b.params, b.offsets, strict=True):
             view = b.grad_data[off: off + p.numel()].view_as(p)
+            if self._keeps_main_grad(b):
+                # Zeroed by zero_grad_buffer only: microbatches accumulate here.
+                if getattr(p, "main_grad", None) is None or p.main_grad.data_ptr() != view.data_ptr():
+                    if zero and getattr(p, "main_grad", None) is None:
+                        view.zero_()
+                    p.main_grad = view
+                continue
             if p.grad is None:
                 if zero:
                     view.zero_()
@@ -234,11 +256,12 @@ class DistributedDataParallel(nn.Module):
             for b in self.buckets:
                 spec = "none" if b.exact else lossy
                 padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, self.world) * self.world
-                grad = torch.zeros(padded, dtype=b.dtype, device=b.grad_data.device)
+                grad = torch.zeros(padded, dtype=b.grad_data.dtype, device=b.grad_data.device)
                 grad[: b.numel].copy_(b.grad_data)
                 b.grad_data = grad
                 for p in b.params:
                     p.grad = None
+                    p.main_grad = None
                 self._attach_grads(b, zero=False)
                 b.param_data = torch.zeros(padded, dtype=b.dtype, device=grad.device)
                 for p, off in zip(b.params, b.offsets, strict=True):
@@ -279,8 +302,18 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def zero_grad_buffer(self) -> None:
+        """Zeroes every bucket's gradients (float32 main gradients included)."""
+        for b in self.buckets:
+            b.grad_data.zero_()
+
     def _make_hook(self, p):
+        main = self._keeps_main_grad(self._param_bucket[p])
+
         def hook(param):
+            if main and param.grad is not None:
+                param.main_grad.add_(param.grad)  # float32 accumulation
+                param.grad = None
             if not self._sync_enabled or autograd.is_deferred(param):
                 return
             if not self._callback_queued:

@@ -1,43 +1,55 @@
-"""ZeRO-1 distributed optimizer: optimizer state sharded over data-parallel ranks.
+"""Optimizers with float32 main parameters: mixed precision and ZeRO-1.
 
-    model = mapp.data_parallel.DistributedDataParallel(model, compression="int8")
+    model = mapp.data_parallel.DistributedDataParallel(bf16_model, grad_reduce_in_fp32=True)
+    opt = mapp.optimizer.MixedPrecisionOptimizer(model, torch.optim.AdamW, lr=3e-4)
+    # or, optimizer state sharded over data-parallel ranks (ZeRO-1):
     opt = mapp.optimizer.DistributedOptimizer(model, torch.optim.AdamW, lr=3e-4,
                                               weight_decay=0.1)
-    loss.backward()          # gradients reduce-scattered (compressed) during backward
-    finalize_model_grads(model, optimizer=opt)  # SP / tied-embedding sums, on the shards
+    loss.backward()          # gradients accumulate in fp32, reduced during backward
+    finalize_model_grads(model, optimizer=opt)  # SP / tied-embedding sums
     opt.clip_grad_norm_(1.0)
-    opt.step()               # shard update in fp32, then parameters all-gathered
+    opt.step()               # fp32 update, then written back in the model's dtype
 
 (``from megatronapp.training import finalize_model_grads``; only needed with
 sequence parallelism or tied embeddings split over pipeline stages.)
 
-Constructor: ``DistributedOptimizer(ddp, optimizer_class=torch.optim.AdamW,
-param_groups=None, **optimizer_kwargs)``.
+Constructor: ``MixedPrecisionOptimizer(ddp, optimizer_class=torch.optim.AdamW,
+param_groups=None, *, grad_scaler=None, **optimizer_kwargs)``, the same for
+``DistributedOptimizer``.
 
 * `ddp` — the :class:`~megatronapp.data_parallel.DistributedDataParallel`
-  wrapping the model (or a list of them: one per pipeline model chunk); the
-  optimizer switches it to reduce-scatter mode, so
-  build the optimizer before the first backward.
+  wrapping the model (or a list of them: one per pipeline model chunk).
+  With a model in bf16/fp16 wrap it with ``grad_reduce_in_fp32=True``: each
+  parameter's gradient then accumulates into ``param.main_grad``, a float32
+  view into the bucket, which is what is reduced and what the step reads.
 * `optimizer_class` — any ``torch.optim.Optimizer`` (AdamW, SGD, ...), built
-  over this rank's shard only, so its state takes ~1/dp of the memory.
+  over float32 *main* tensors, never over the model's parameters.
 * `param_groups` — optional list of dicts ``{"params": [model params], **options}``
   like a torch optimizer's groups (e.g. no weight decay for biases); default
   one group with `optimizer_kwargs`.
+* `grad_scaler` — fp16: a :mod:`~megatronapp.grad_scaler` scaler. Gradients
+  are unscaled before the norm; a step whose global norm is not finite is
+  skipped (:attr:`skipped_steps`) and the scaler updated.
 
-Each rank owns chunk r of every bucket (buckets are padded to equal chunks).
-The intersection of a parameter with that chunk becomes a float32 "main"
-tensor — float32 even when the model is bf16 — which is what the inner
-optimizer updates; after the step the shards are cast back into the bucket's
-parameter buffer and all-gathered, so every rank ends with identical
-parameters.
+Each rank owns a range of every bucket: all of it (:class:`MixedPrecisionOptimizer`)
+or chunk r of it (:class:`DistributedOptimizer`; buckets are padded to equal
+chunks, the DDP switches to reduce-scatter, parameters become views into
+per-bucket parameter buffers). The intersection of a parameter with that range
+becomes a float32 *main* tensor (the master weights, 1-D) that the inner
+optimizer updates, its gradient the matching float32 slice of the bucket. After
+the step the main values are cast into the model's dtype (and, ZeRO-1,
+all-gathered), so every rank ends with identical parameters. Bytes per
+parameter, bf16 with Adam: 2 (weights) + 4 (main gradients) + 4 (master) + 8
+(moments) = 18, the last 12 divided by dp under ZeRO-1 — Megatron's numbers.
 
-Checkpoints see the shards through :meth:`DistributedOptimizer.shards`: per
+Checkpoints see the ranges through :meth:`MixedPrecisionOptimizer.shards`: per
 piece, the parameter, its flat range [lo, hi) within the parameter, the fp32
 main values and the inner optimizer's state for them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +58,7 @@ from . import _collectives, gradients
 from .data_parallel import DistributedDataParallel
 from .parallel_state import ParallelState, get_parallel_state
 
-__all__ = ["DistributedOptimizer", "Shard"]
+__all__ = ["MixedPrecisionOptimizer", "DistributedOptimizer", "Shard"]
 
 
 @dataclass
@@ -73,21 +85,39 @@ class _Piece:
     main: torch.Tensor  # float32 copy the inner optimizer updates
 
 
-class DistributedOptimizer:
+class MixedPrecisionOptimizer:
+    """float32 main parameters and gradients for a model of any dtype, every
+    data-parallel rank updating all of them (see the module docstring)."""
+
+    #: whether each data-parallel rank owns only its chunk of every bucket
+    sharded = False
+
     def __init__(self, ddp: DistributedDataParallel, optimizer_class=torch.optim.AdamW,
                  param_groups: list | None = None, *,
-                 parallel_state: ParallelState | None = None, **optimizer_kwargs):
+                 parallel_state: ParallelState | None = None, grad_scaler=None,
+                 **optimizer_kwargs):
         ddps = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
         if not ddps or not all(isinstance(d, DistributedDataParallel) for d in ddps):
-            raise ValueError("DistributedOptimizer needs the model (or every pipeline model "
+            raise ValueError(f"{type(self).__name__} needs the model (or every pipeline model "
                              "chunk) wrapped in megatronapp.data_parallel.DistributedDataParallel")
         self.ddps = ddps
         self.ddp = ddps[0]
-        for d in ddps:
-            d.enable_distributed_optimizer()
+        if self.sharded:
+            for d in ddps:
+                d.enable_distributed_optimizer()
         self.buckets = [b for d in ddps for b in d.buckets]
+        for b in self.buckets:
+            if b.grad_data.dtype != torch.float32:
+                raise ValueError(
+                    f"{type(self).__name__} keeps float32 main gradients, but a bucket holds "
+                    f"{b.grad_data.dtype} gradients: wrap the model with "
+                    "DistributedDataParallel(..., grad_reduce_in_fp32=True)")
         self.group = self.ddp.group
         self.world, self.rank = self.ddp.world, self.ddp.group.rank()
+        self.grad_scaler = grad_scaler
+        self.skipped_steps = 0
+        self._found_inf = False
+        self._unscaled = False
         try:
             self.state_mp = parallel_state or get_parallel_state()
         except RuntimeError:
@@ -108,53 +138,92 @@ class DistributedOptimizer:
                 lo, hi = max(off, s_lo), min(off + p.numel(), s_hi)
                 if lo >= hi:
                     continue
-                main = b.param_data[lo:hi].detach().float().clone()
+                main = self._param_values(b, p, off, lo, hi).detach().float().clone()
                 self._pieces.append(_Piece(b, p, lo, hi, lo - s_lo, lo - off, main))
                 by_group[options.get(p, 0)].append(main)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self.param_groups = self.optimizer.param_groups
 
+    # ---- what this rank owns (DistributedOptimizer: its chunk) ----------------------
     def _chunk_range(self, b) -> tuple:
-        """[lo, hi) of this rank's chunk of bucket b."""
-        chunk = b.param_data.numel() // self.world
-        return self.rank * chunk, (self.rank + 1) * chunk
+        """[lo, hi) of the range of bucket b this rank updates."""
+        return 0, b.numel
+
+    def _param_values(self, b, p, off: int, lo: int, hi: int) -> torch.Tensor:
+        """The values of bucket range [lo, hi) of parameter `p` (at `off`)."""
+        return p.detach().reshape(-1)[lo - off: hi - off]
+
+    def _grad_of(self, pc: _Piece) -> torch.Tensor:
+        """The averaged float32 gradient of a piece: a view into its bucket."""
+        return pc.bucket.grad_data[pc.lo: pc.hi]
+
+    def _norm_groups(self) -> list:
+        return [self.state_mp.model_group] if self.state_mp else []
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        for pc in self._pieces:
+            pc.param.detach().view(-1)[pc.param_lo: pc.param_lo + pc.hi - pc.lo].copy_(pc.main)
 
     # ---- the step -------------------------------------------------------------
     def grad_shards(self) -> list:
         """``(param, grad)`` of every piece, where ``grad`` is the averaged fp32
-        gradient of the piece (a view into its bucket's shard, also set as
-        ``main.grad``). Finishes the data-parallel reduction first."""
+        gradient of the piece (a view into its bucket, also set as
+        ``main.grad``), unscaled when a grad scaler is set. Finishes the
+        data-parallel reduction first."""
         for d in self.ddps:
             d.finish_grad_sync()  # no-op when backward already finished it
         for pc in self._pieces:
-            pc.main.grad = pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
+            pc.main.grad = self._grad_of(pc)
+        grads = [pc.main.grad for pc in self._pieces]
+        if self.grad_scaler is not None and not self._unscaled and grads:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)  # noqa: SLF001
+            self._unscaled = True
         return [(pc.param, pc.main.grad) for pc in self._pieces]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Global gradient L2 norm from the shards (tensor-parallel shards count
-        on every tp rank, replicated parameters once); scales if above max_norm."""
-        groups = [self.group] + ([self.state_mp.model_group] if self.state_mp else [])
-        return gradients.clip_grad_norm_(
-            self.grad_shards(), max_norm, self.state_mp, groups,
-            device=self.buckets[0].shard.device if self.buckets else None)
+        """Global gradient L2 norm (tensor-parallel shards count on every tp
+        rank, replicated parameters once); scales if above max_norm. A norm
+        that is not finite marks the step as overflowed: step() skips it."""
+        norm = gradients.global_norm(self.grad_shards(), self.state_mp, self._norm_groups(),
+                                     device=self.buckets[0].grad_data.device
+                                     if self.buckets else None)
+        # Only a loss-scaled (fp16) run skips a step on overflow, as Megatron.
+        self._found_inf = self.grad_scaler is not None and not math.isfinite(norm)
+        if not self._found_inf:
+            gradients.clip_([pc.main.grad for pc in self._pieces], max_norm, norm)
+        return norm
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> bool:
+        """The update; returns False when it was skipped (fp16 overflow)."""
+        if self.grad_scaler is not None:
+            if not self._unscaled:  # no clip_grad_norm_ this step: check here
+                self.clip_grad_norm_(0.0)
+            self.grad_scaler.update(self._found_inf)
         self.grad_shards()
+        if self._found_inf:
+            self.skipped_steps += 1
+            self._found_inf, self._unscaled = False, False
+            return False
         self.optimizer.step()
-        for pc in self._pieces:
-            pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
-        for b in self.buckets:
-            lo, hi = self._chunk_range(b)
-            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, self.group))
+        self._write_back()
+        self._unscaled = False
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for b in self.buckets:
-            b.grad_data.zero_()
+        for d in self.ddps:
+            d.zero_grad_buffer()
         for pc in self._pieces:
             pc.main.grad = None
+        self._found_inf, self._unscaled = False, False
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
     # ---- introspection ----------------------------------------------------------
     def state_bytes(self) -> int:
@@ -176,7 +245,43 @@ class DistributedOptimizer:
                       self.optimizer.state.setdefault(pc.main, {})) for pc in self._pieces]
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        scaler = state.pop("grad_scaler", None)
+        if scaler is not None and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(scaler)
         self.optimizer.load_state_dict(state)
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-1: like :class:`MixedPrecisionOptimizer`, but data-parallel rank r
+    owns only chunk r of every bucket: the main parameters and the inner
+    optimizer's state take 1/dp of the memory (see the module docstring)."""
+
+    sharded = True
+
+    def _chunk_range(self, b) -> tuple:
+        chunk = b.param_data.numel() // self.world
+        return self.rank * chunk, (self.rank + 1) * chunk
+
+    def _param_values(self, b, p, off, lo, hi):
+        return b.param_data[lo:hi]
+
+    def _grad_of(self, pc):
+        return pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
+
+    def _norm_groups(self) -> list:  # the shards are summed over dp too
+        return [self.group] + super()._norm_groups()
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        for pc in self._pieces:
+            pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
+        for b in self.buckets:
+            lo, hi = self._chunk_range(b)
+            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, self.group))

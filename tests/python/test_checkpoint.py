@@ -1,5 +1,5 @@
 """Checkpoints: bit-identical resume (ZeRO-1 + int8 error feedback, and a
-pipeline), resharding across (tp, pp, dp), atomic commit, and clear errors on
+pipeline, each also in mixed precision: bf16 masters, fp16 loss scale), resharding across (tp, pp, dp), atomic commit, and clear errors on
 corrupted or incompatible checkpoints."""
 
 import json
@@ -30,7 +30,12 @@ def _train(rank, world, extra, out_dir):
      "--grad-compression", "int8"],
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble",
      "--async-save"],
-], ids=["tp2xdp2-zero1-int8", "pp2xdp2-zb-async"])
+    ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+     "--grad-compression", "int8", "--bf16"],
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble", "--fp16",
+     "--initial-loss-scale", "4096", "--loss-scale-window", "2"],
+], ids=["tp2xdp2-zero1-int8", "pp2xdp2-zb-async", "bf16-tp2xdp2-zero1-int8",
+        "fp16-pp2xdp2-zb-scaler"])
 def test_resume_is_bit_identical(tmp_path, layout):
     ck = str(tmp_path / "ck")
     full = run_ranks(_train, 4, layout + ["--train-iters", "6", "--save", ck,

@@ -42,7 +42,7 @@ import torch
 
 from .. import _C, _collectives
 from ..data_parallel import DistributedDataParallel
-from ..optimizer import DistributedOptimizer
+from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
 from .format import CheckpointError, fsync_dir, read, write
 
@@ -106,7 +106,7 @@ def _optimizer_pieces(optimizer, params, state):
     pieces = []
     if optimizer is None:
         return pieces
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, MixedPrecisionOptimizer):  # fp32 main values (ZeRO: shards)
         name_of = {id(p): n for n, p in params}
         for sh in optimizer.shards():
             p = sh.param
@@ -114,6 +114,8 @@ def _optimizer_pieces(optimizer, params, state):
                 continue
             if _tp_slice(p, state) is None and state.tp_rank != 0:
                 continue
+            if not optimizer.sharded and not _owner_of_model_copy(p, state):
+                continue  # every data-parallel rank holds the same full copy
             lo = sh.lo
             pieces.append((name_of[id(p)], "main", lo, sh.main.detach(), p))
             for kind, t in sh.state.items():
@@ -439,7 +441,7 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
         p.data.copy_(_mine(full, p, state))
     # Optimizer state.
     if optimizer is not None:
-        if isinstance(optimizer, DistributedOptimizer):
+        if isinstance(optimizer, MixedPrecisionOptimizer):
             name_of = {id(p): n for n, p in params}
             for sh in optimizer.shards():
                 p = sh.param

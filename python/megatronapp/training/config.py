@@ -83,6 +83,28 @@ class DataParallelConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    bf16: bool = _flag(False, "bfloat16 parameters and activations; fp32 main gradients and "
+                       "master weights in the optimizer")
+    fp16: bool = _flag(False, "float16 parameters and activations with dynamic loss scaling; "
+                       "fp32 main gradients and master weights")
+    accumulate_allreduce_grads_in_fp32: bool = _flag(
+        False, "accumulate and reduce gradients in fp32 (always on with --bf16/--fp16 here: "
+        "the gradient codecs and the optimizers read fp32 main gradients)")
+    loss_scale: float | None = _flag(None, "fp16: a constant loss scale instead of the dynamic "
+                                     "one")
+    initial_loss_scale: float = _flag(2.0**32, "fp16: initial dynamic loss scale")
+    min_loss_scale: float = _flag(1.0, "fp16: the dynamic loss scale never goes below this")
+    loss_scale_window: int = _flag(1000, "fp16: overflow-free steps before the scale doubles")
+    hysteresis: int = _flag(2, "fp16: overflows tolerated before the scale halves")
+
+    def dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass
 class ModelConfig:
     num_layers: int = _flag(4, "transformer layers")
     hidden_size: int = _flag(128, "hidden size")
@@ -169,6 +191,7 @@ SECTIONS = (
     ("parallel", "parallelism", ParallelConfig),
     ("data_parallel", "data parallelism", DataParallelConfig),
     ("model", "model", ModelConfig),
+    ("precision", "mixed precision", PrecisionConfig),
     ("optim", "training", OptimConfig),
     ("data", "data", DataConfig),
     ("logging", "logging and output", LoggingConfig),
@@ -196,6 +219,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -294,6 +318,16 @@ class Config:
         if self.data_parallel.bucket_size_mb <= 0:
             raise ConfigError(f"--bucket-size-mb must be positive, got "
                               f"{self.data_parallel.bucket_size_mb}")
+        pr = self.precision
+        if pr.bf16 and pr.fp16:
+            raise ConfigError("--bf16 and --fp16 exclude each other; pick one")
+        if pr.loss_scale is not None and not pr.loss_scale > 0:
+            raise ConfigError(f"--loss-scale must be positive, got {pr.loss_scale}")
+        if pr.fp16 and not 0 < pr.min_loss_scale <= pr.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale {pr.min_loss_scale} must be in (0, "
+                              f"--initial-loss-scale {pr.initial_loss_scale}]")
+        if pr.loss_scale_window < 1 or pr.hysteresis < 1:
+            raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
         ck = self.checkpoint
         if ck.save_interval is not None and ck.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")

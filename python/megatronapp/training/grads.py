@@ -13,9 +13,10 @@ After the last backward of a step, :func:`finish_gradients` does, in order:
    pipeline stage, their gradients are summed over the embedding group;
 4. **one global norm** (one host synchronization) and **clipping**.
 
-Full gradients (``param.grad``) and ZeRO-1 shards (the fp32 slice of each
-parameter a :class:`~megatronapp.optimizer.DistributedOptimizer` rank owns)
-take the same path: both are lists of ``(param, grad)`` pairs, and every sum
+Full gradients (``param.grad``), float32 main gradients (a
+:class:`~megatronapp.optimizer.MixedPrecisionOptimizer`) and ZeRO-1 shards
+(the fp32 slice of each parameter a
+:class:`~megatronapp.optimizer.DistributedOptimizer` rank owns) take the same path: both are lists of ``(param, grad)`` pairs, and every sum
 above is element-wise, so a shard is summed exactly like the full tensor.
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import _collectives, gradients
-from ..optimizer import DistributedOptimizer
+from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import ParallelState, resolve_state
 from ..pipeline import GradSync
 
@@ -52,7 +53,7 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
         elif state.dp_size > 1:
             grads = [p.grad for p in chunk.parameters() if p.grad is not None]
             _collectives.coalesced_all_reduce_(grads, state.data_group, scale=1.0 / state.dp_size)
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, MixedPrecisionOptimizer):  # fp32 main gradients (ZeRO: shards)
         pairs = optimizer.grad_shards()
     else:
         pairs = [(p, p.grad) for c in chunks for p in c.parameters() if p.grad is not None]
@@ -74,7 +75,7 @@ def finish_gradients(model, optimizer, parallel_state: ParallelState | None = No
     to `max_norm` (0: no clipping) and returns the global norm before clipping."""
     state = resolve_state(parallel_state)
     pairs = finalize_model_grads(model, state, optimizer=optimizer)
-    if isinstance(optimizer, DistributedOptimizer):  # the shards: summed over dp too
+    if isinstance(optimizer, MixedPrecisionOptimizer):  # ZeRO shards: summed over dp too
         return optimizer.clip_grad_norm_(max_norm)
     return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group])
 

@@ -104,16 +104,21 @@ def resume(run: Run) -> None:
         return
     run.start_iteration = info["iteration"]
     run.extra.update(resumed_from=info["path"], same_layout=info["same_layout"])
+    scaler = getattr(run.optimizer, "grad_scaler", None)
+    if scaler is not None and "grad_scaler" in info["extra"]:  # fp16: the loss scale goes on
+        scaler.load_state_dict(info["extra"]["grad_scaler"])
 
 
 def save(run: Run, iteration: int, hooks=()) -> int:
     """Saves a checkpoint after `iteration` finished steps (collective)."""
     _each(hooks, "on_phase", run, f"saving checkpoint at iteration {iteration}")
     optim = run.config.optim
+    scaler = getattr(run.optimizer, "grad_scaler", None)
     checkpoint.save(run.config.checkpoint.save, iteration, run.chunks, run.optimizer,
                     config=run.checkpoint_model_config(),
                     extra={"consumed_samples": iteration * optim.global_batch_size,
-                           "seed": optim.seed},
+                           "seed": optim.seed,
+                           **({"grad_scaler": scaler.state_dict()} if scaler else {})},
                     parallel_state=run.state, async_save=run.config.checkpoint.async_save)
     return iteration
 

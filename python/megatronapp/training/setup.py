@@ -31,13 +31,15 @@ from ..comm import Compression
 from ..data import TextDataset, default_corpus, padded_vocab_size
 from ..data_parallel import DistributedDataParallel
 from ..models import GPTConfig, GPTModel
-from ..optimizer import DistributedOptimizer
+from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
 __all__ = ["Run", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
-           "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "build_optimizer",
+           "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "grad_scaler",
+           "build_optimizer",
            "build_run"]
 
 
@@ -148,7 +150,8 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
                        device: torch.device) -> list:
     """This rank's model chunks: chunk c is virtual stage ``c * pp + pp_rank``
-    with the layers the plan gives it."""
+    with the layers the plan gives it, in the --bf16/--fp16 dtype (weights are
+    drawn in fp32 and rounded, so every precision starts from the same model)."""
     layout, pp = plan.layer_layout, state.pp_size
     offsets = [sum(layout[:k]) for k in range(len(layout))]
     chunks = []
@@ -157,7 +160,7 @@ def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GP
         chunks.append(GPTModel(cfg, parallel_state=state, pre_process=vs == 0,
                                post_process=vs == pp * plan.vpp - 1,
                                layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
-                               seed=config.optim.seed).to(device))
+                               seed=config.optim.seed).to(device, config.precision.dtype()))
     return chunks
 
 
@@ -166,22 +169,42 @@ def wrap_data_parallel(config: Config, chunks: list, state: ParallelState) -> li
     dp = config.data_parallel
     compression = (None if dp.grad_compression == "none" else
                    Compression(dp.grad_compression, dp.grad_compression_start_iter))
+    pr = config.precision
     return [DistributedDataParallel(c, bucket_size_mb=dp.bucket_size_mb, compression=compression,
                                     overlap_grad_reduce=not dp.no_overlap_grad_reduce,
+                                    grad_reduce_in_fp32=(pr.bf16 or pr.fp16
+                                                         or pr.accumulate_allreduce_grads_in_fp32),
                                     parallel_state=state)
             for c in chunks]
 
 
+def grad_scaler(config: Config):
+    """--fp16: the loss scaler its flags ask for (None otherwise)."""
+    pr = config.precision
+    if not pr.fp16:
+        return None
+    if pr.loss_scale is not None:
+        return ConstantGradScaler(pr.loss_scale)
+    return DynamicGradScaler(initial_scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale,
+                             growth_interval=pr.loss_scale_window, hysteresis=pr.hysteresis)
+
+
 def build_optimizer(config: Config, chunks: list, state: ParallelState):
     """AdamW (betas 0.9, 0.95) with weight decay on matrices only; ZeRO-1
-    sharded with --use-distributed-optimizer."""
+    sharded with --use-distributed-optimizer; over fp32 master weights with
+    --bf16/--fp16 (and fp32 main gradients)."""
     params = [p for c in chunks for p in c.parameters()]
     groups = [{"params": [p for p in params if p.dim() >= 2],
                "weight_decay": config.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if config.data_parallel.use_distributed_optimizer:
         return DistributedOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
+                                    grad_scaler=grad_scaler(config),
                                     lr=config.optim.lr, betas=(0.9, 0.95))
+    if config.precision.bf16 or config.precision.fp16:
+        return MixedPrecisionOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
+                                       grad_scaler=grad_scaler(config),
+                                       lr=config.optim.lr, betas=(0.9, 0.95))
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95))
 
 

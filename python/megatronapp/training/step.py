@@ -62,15 +62,22 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
     device = run.device
+    # fp16: the loss is scaled before backward (the optimizer unscales the
+    # gradients); the reported losses are divided back.
+    scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
 
     def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
-        return vocab_parallel_cross_entropy(
-            logits.transpose(0, 1), target.to(device).transpose(0, 1),
+        # The cross-entropy runs in fp32 whatever the model's precision (as
+        # Megatron without --fp16-lm-cross-entropy).
+        loss = vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
             group=state.tensor_group).mean()
+        return loss * scale if scale != 1.0 else loss
 
     res = forward_backward(current_schedule(run.schedule), run.chunks,
                            iter([(x.to(device), y) for x, y in micro]), loss_fn,
-                           tensor_shape=run.activation_shape, parallel_state=state,
+                           tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
+                           parallel_state=state,
                            forward_only=not backward)
     if backward and isinstance(run.schedule, AdaptiveSchedule):
         run.schedule.observe(res)
@@ -82,7 +89,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
         total += torch.stack(res.losses).double().sum()
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
-    return float(total) / (len(micro) * state.dp_size)
+    return float(total) / (len(micro) * state.dp_size * scale)
 
 
 def train_step(run, it: int) -> StepResult:
