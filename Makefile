@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-precision bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -136,6 +136,10 @@ bench-peers: build peers
 bench-step: build peers
 	$(PY) benchmarks/peers/run.py --suite step --iters 20 --warmup 5 --eval-interval 0 \
 	  --phase-iters 12 --profile-iters 20
+
+# Mixed precision: bf16 vs fp32 quality (200 steps, 2 layouts) and bytes per parameter.
+bench-precision: build
+	$(PY) benchmarks/precision.py --iters 200
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
 bench-scale: build

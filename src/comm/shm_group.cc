@@ -23,8 +23,8 @@ namespace {
 
 constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
 constexpr std::size_t kHeaderBytes = 4096;
-constexpr int kSpins = 256;   // busy polls before yielding
-constexpr int kYields = 16;   // sched_yield polls before sleeping on the futex
+constexpr int kSpins = 256;  // busy polls before yielding
+constexpr int kYields = 16;  // sched_yield polls before sleeping on the futex
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free,
               "the shared-memory barrier needs address-free 32-bit atomics");
@@ -70,8 +70,10 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
   MAPP_CHECK(world >= 1 && rank >= 0 && rank < world, "shared-memory group: rank ", rank,
              " is not in a group of ", world, " members");
   MAPP_CHECK(slot_bytes >= 64 * static_cast<std::size_t>(world) && slot_bytes % 64 == 0,
-             "shared-memory group: slot size ", slot_bytes, " must be a multiple of 64 and at "
-             "least 64 x the group size (", world, "); raise MAPP_SHM_SLOT_BYTES");
+             "shared-memory group: slot size ", slot_bytes,
+             " must be a multiple of 64 and at "
+             "least 64 x the group size (",
+             world, "); raise MAPP_SHM_SLOT_BYTES");
   MAPP_CHECK(!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos,
              "shared-memory group: '", name, "' is not a POSIX shm name ('/' then no '/')");
   map_bytes_ = kHeaderBytes + 2 * static_cast<std::size_t>(world) * slot_bytes;
@@ -103,8 +105,8 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
   if (base_ == MAP_FAILED) {
     base_ = nullptr;
     if (create) ::shm_unlink(name.c_str());
-    MAPP_FAIL_BACKEND("mmap of shared memory '", name, "' (", map_bytes_, " bytes) failed: ",
-                      errno_text());
+    MAPP_FAIL_BACKEND("mmap of shared memory '", name, "' (", map_bytes_,
+                      " bytes) failed: ", errno_text());
   }
   if (create) {
     header_ = new (base_) Header();
@@ -117,8 +119,8 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
                    header_->world == static_cast<std::uint32_t>(world) &&
                    header_->slot_bytes == slot_bytes,
                "shared memory '", name, "' was not made by a group of ", world, " with slots of ",
-               slot_bytes, " bytes (found world ", header_->world, ", slot ",
-               header_->slot_bytes, "): every member must use the same settings");
+               slot_bytes, " bytes (found world ", header_->world, ", slot ", header_->slot_bytes,
+               "): every member must use the same settings");
   }
   unlinked_ = !create;
 }
@@ -161,11 +163,12 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       broken_ = true;
-      MAPP_FAIL_BACKEND(op, " on shared-memory group '", name_, "' (member ", rank_, " of ",
-                        world_, ") timed out waiting for the other members: one of them died, "
+      MAPP_FAIL_BACKEND(op, " on shared-memory group '", name_, "' (member ", rank_, " of ", world_,
+                        ") timed out waiting for the other members: one of them died, "
                         "is stuck, or issued a different collective (MAPP_COLLECTIVE_TIMEOUT_S)");
     }
-    const auto left = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
+    const auto left =
+        std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
     timespec ts{static_cast<time_t>(left.count() / 1000000000),
                 static_cast<long>(left.count() % 1000000000)};
     h.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -250,9 +253,11 @@ void ShmGroup::all_to_all(const void* in, std::size_t bytes, void* out,
   for (std::size_t off = 0; off < bytes; off += step) {
     const std::size_t cnt = std::min(step, bytes - off);
     const int area = static_cast<int>(piece_++ & 1);
-    for (int m = 0; m < world_; ++m) std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
+    for (int m = 0; m < world_; ++m)
+      std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
     barrier("all_to_all", deadline);
-    for (int m = 0; m < world_; ++m) std::memcpy(dst + m * bytes + off, slot(area, m) + rank_ * cnt, cnt);
+    for (int m = 0; m < world_; ++m)
+      std::memcpy(dst + m * bytes + off, slot(area, m) + rank_ * cnt, cnt);
   }
 }
 
@@ -270,7 +275,8 @@ void ShmGroup::reduce_scatter(const void* in, std::size_t bytes, void* out, std:
   for (std::size_t off = 0; off < bytes; off += step) {
     const std::size_t cnt = std::min(step, bytes - off);
     const int area = static_cast<int>(piece_++ & 1);
-    for (int m = 0; m < world_; ++m) std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
+    for (int m = 0; m < world_; ++m)
+      std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
     barrier("reduce_scatter", deadline);
     std::memcpy(dst + off, slot(area, 0) + rank_ * cnt, cnt);
     for (int m = 1; m < world_; ++m) add(dst + off, slot(area, m) + rank_ * cnt, cnt);

@@ -2,12 +2,11 @@
 // wait that turns c10d failures and timeouts into errors naming the operation.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <chrono>
 #include <exception>
 #include <string>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "mapp/comm/shm_group.h"
 #include "mapp/common/check.h"
@@ -52,8 +51,7 @@ void traced(const char* op, const std::string& group_name, std::int64_t bytes, B
 // Issues a c10d collective (`issue` returns the Work) and waits for it at most
 // MAPP_COLLECTIVE_TIMEOUT_S: a hang must become an error.
 template <typename Issue>
-void run(const char* op, const std::string& group_name, Issue&& issue,
-         std::int64_t bytes = -1) {
+void run(const char* op, const std::string& group_name, Issue&& issue, std::int64_t bytes = -1) {
   const auto timeout = collective_timeout();
   traced(op, group_name, bytes, [&] {
     c10::intrusive_ptr<c10d::Work> work = issue();

@@ -52,15 +52,16 @@ void all_reduce_base(at::Tensor& buf, const std::string& group_name, c10d::Proce
                      const char* op) {
   if (auto shm = shm_for(buf, group_name)) {
     traced(op, group_name, buf.nbytes(), [&] {
-      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(),
-                      aten_add(buf.scalar_type()), collective_timeout());
+      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(), aten_add(buf.scalar_type()),
+                      collective_timeout());
     });
     return;
   }
   std::vector<at::Tensor> tensors{buf};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  run(op, group_name, [&] { return pg.allreduce(tensors, opts); }, buf.nbytes());
+  run(
+      op, group_name, [&] { return pg.allreduce(tensors, opts); }, buf.nbytes());
 }
 
 void all_gather_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
@@ -72,7 +73,8 @@ void all_gather_base(at::Tensor& out, const at::Tensor& in, const std::string& g
     return;
   }
   at::Tensor src = in;  // c10d's signature takes a mutable reference
-  run(op, group_name, [&] { return pg._allgather_base(out, src); }, in.nbytes());
+  run(
+      op, group_name, [&] { return pg._allgather_base(out, src); }, in.nbytes());
 }
 
 void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
@@ -85,7 +87,8 @@ void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::strin
     return;
   }
   at::Tensor src = in;
-  run(op, group_name, [&] { return pg._reduce_scatter_base(out, src); }, in.nbytes());
+  run(
+      op, group_name, [&] { return pg._reduce_scatter_base(out, src); }, in.nbytes());
 }
 
 void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
@@ -99,7 +102,8 @@ void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& g
   }
   at::Tensor src = in;
   std::vector<std::int64_t> splits;  // equal splits
-  run(op, group_name, [&] { return pg.alltoall_base(out, src, splits, splits); }, in.nbytes());
+  run(
+      op, group_name, [&] { return pg.alltoall_base(out, src, splits, splits); }, in.nbytes());
 }
 
 }  // namespace internal
@@ -112,15 +116,13 @@ using internal::reduce_scatter_base;
 
 // Gloo cannot reduce bfloat16; CPU half-precision tensors travel as float32.
 bool needs_upcast(const at::Tensor& t) {
-  return t.device().is_cpu() &&
-         (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+  return t.device().is_cpu() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
 
 std::int64_t normalize_dim(const at::Tensor& t, std::int64_t dim, const char* op) {
   const std::int64_t nd = t.dim();
   MAPP_CHECK(nd >= 1, op, ": expected a tensor with at least one dimension, got a scalar");
-  MAPP_CHECK(dim >= -nd && dim < nd, op, ": dim ", dim, " is out of range for a ", nd,
-             "-d tensor");
+  MAPP_CHECK(dim >= -nd && dim < nd, op, ": dim ", dim, " is out of range for a ", nd, "-d tensor");
   return dim < 0 ? dim + nd : dim;
 }
 
@@ -130,13 +132,9 @@ using internal::shm_mu;
 
 }  // namespace
 
-std::int64_t group_size(const std::string& group_name) {
-  return resolve(group_name)->getSize();
-}
+std::int64_t group_size(const std::string& group_name) { return resolve(group_name)->getSize(); }
 
-std::int64_t group_rank(const std::string& group_name) {
-  return resolve(group_name)->getRank();
-}
+std::int64_t group_rank(const std::string& group_name) { return resolve(group_name)->getRank(); }
 
 at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
   auto pg = resolve(group_name);
@@ -151,8 +149,7 @@ at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
   return tensor;
 }
 
-at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
-                      const std::string& group_name) {
+at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim, const std::string& group_name) {
   dim = normalize_dim(tensor, dim, "all_gather");
   auto pg = resolve(group_name);
   const std::int64_t world = pg->getSize();
@@ -173,8 +170,8 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
   dim = normalize_dim(tensor, dim, "reduce_scatter");
   auto pg = resolve(group_name);
   const std::int64_t world = pg->getSize();
-  MAPP_CHECK(tensor.size(dim) % world == 0, "reduce_scatter: size ", tensor.size(dim),
-             " of dim ", dim, " is not divisible by the group size ", world,
+  MAPP_CHECK(tensor.size(dim) % world == 0, "reduce_scatter: size ", tensor.size(dim), " of dim ",
+             dim, " is not divisible by the group size ", world,
              "; pad the tensor or choose a divisible shape");
   if (world == 1) return tensor.clone();
   const bool upcast = !internal::has_shm(tensor, group_name) && needs_upcast(tensor);

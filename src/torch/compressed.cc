@@ -28,8 +28,7 @@ void check_state(const std::vector<at::Tensor>& state,
     MAPP_CHECK(state[i].sizes().vec() == shapes[i] && state[i].scalar_type() == at::kFloat &&
                    state[i].is_contiguous(),
                "codec ", spec.str(), " state ", i, " must be a contiguous float32 tensor of shape ",
-               at::IntArrayRef(shapes[i]), ", got ", state[i].sizes(), " ",
-               state[i].scalar_type());
+               at::IntArrayRef(shapes[i]), ", got ", state[i].sizes(), " ", state[i].scalar_type());
   }
 }
 
@@ -82,7 +81,7 @@ void plain_all_reduce(at::Tensor& x, const std::string& group, c10d::ProcessGrou
 void topk_all_reduce(const Spec& spec, at::Tensor& x, at::Tensor& err, const std::string& group,
                      c10d::ProcessGroup& pg, CommStats& st) {
   const std::int64_t n = x.numel(), k = codec::topk_count(spec, n), world = pg.getSize();
-  err.add_(x);  // err holds the compensated gradient x' = x + err
+  err.add_(x);                    // err holds the compensated gradient x' = x + err
   const std::int64_t pb = 8 * k;  // k int32 indices, then k float32 values
   at::Tensor payload = at::empty({pb}, x.options().dtype(at::kByte));
   if (x.is_cuda()) {
@@ -212,8 +211,10 @@ std::vector<std::vector<std::int64_t>> state_shapes(const Spec& spec, std::int64
   const std::int64_t c = padded_chunk(spec, n, world);
   switch (spec.kind) {
     case Kind::kInt8:
-    case Kind::kOneBit: return {{c * world}, {c}};
-    case Kind::kTopK: return {{n}};
+    case Kind::kOneBit:
+      return {{c * world}, {c}};
+    case Kind::kTopK:
+      return {{n}};
     case Kind::kPowerSGD: {
       MAPP_CHECK(layout.size() % 3 == 0, "layout must hold (offset, rows, cols) triples");
       std::vector<std::vector<std::int64_t>> s{{n}};
@@ -224,7 +225,8 @@ std::vector<std::vector<std::int64_t>> state_shapes(const Spec& spec, std::int64
       }
       return s;
     }
-    default: return {};
+    default:
+      return {};
   }
 }
 
@@ -241,13 +243,17 @@ CommStats compressed_all_reduce(at::Tensor& buf, const Spec& spec,
   if (world == 1) return st;
   at::Tensor x = buf.scalar_type() == at::kFloat ? buf : buf.to(at::kFloat);
   switch (spec.kind) {
-    case Kind::kNone: plain_all_reduce(x, group_name, *pg, st); break;
+    case Kind::kNone:
+      plain_all_reduce(x, group_name, *pg, st);
+      break;
     case Kind::kTopK: {
       at::Tensor err = state[0];
       topk_all_reduce(spec, x, err, group_name, *pg, st);
       break;
     }
-    case Kind::kPowerSGD: powersgd_all_reduce(spec, x, state, layout, group_name, *pg, st); break;
+    case Kind::kPowerSGD:
+      powersgd_all_reduce(spec, x, state, layout, group_name, *pg, st);
+      break;
     default: {
       const std::int64_t c = padded_chunk(spec, n, world);
       // Work in place when the buffer is already a whole number of chunks.
@@ -290,8 +296,8 @@ at::Tensor compressed_reduce_scatter(const at::Tensor& buf, const Spec& spec,
   } else if (spec.elementwise()) {
     const auto shapes = state_shapes(spec, n, world, layout);
     check_state(state, shapes, spec);
-    mine = two_phase_scatter(spec, padded, state.empty() ? nullptr : &state[0], group_name, *pg,
-                             st);
+    mine =
+        two_phase_scatter(spec, padded, state.empty() ? nullptr : &state[0], group_name, *pg, st);
   } else {  // top-k / PowerSGD compress an all-reduce; keep this rank's chunk
     at::Tensor full = padded.narrow(0, 0, n).clone();
     CommStats inner = compressed_all_reduce(full, spec, state, layout, false, group_name);
@@ -313,8 +319,7 @@ c10::intrusive_ptr<CommWork> compressed_all_reduce_async(at::Tensor buf,
   return submit("dp bucket all-reduce", opts.group_name, tensors, [=]() mutable {
     trace::Scope scope("dp bucket all-reduce", trace::Category::kCollective);
     scope.event().bytes = buf.nbytes();
-    return compressed_all_reduce(buf, opts.spec, state, opts.layout, opts.average,
-                                 opts.group_name);
+    return compressed_all_reduce(buf, opts.spec, state, opts.layout, opts.average, opts.group_name);
   });
 }
 

@@ -97,7 +97,8 @@ TEST(ShmGroup, AllGatherAllToAllAndReduceScatterMatchClosedForm) {
     // reduce_scatter: chunk c of member m holds m + c*1000 + i.
     std::vector<float> full(n * w), mine(n);
     for (int c = 0; c < w; ++c) {
-      for (std::size_t i = 0; i < n; ++i) full[c * n + i] = static_cast<float>(g.rank() + c * 1000 + i);
+      for (std::size_t i = 0; i < n; ++i)
+        full[c * n + i] = static_cast<float>(g.rank() + c * 1000 + i);
     }
     g.reduce_scatter(full.data(), n * sizeof(float), mine.data(), sizeof(float), kAddFloat,
                      milliseconds(20000));
@@ -108,7 +109,8 @@ TEST(ShmGroup, AllGatherAllToAllAndReduceScatterMatchClosedForm) {
     // all_to_all: chunk c of member m holds m * 100 + c * 10000 + i.
     std::vector<float> sent(n * w), got(n * w);
     for (int c = 0; c < w; ++c) {
-      for (std::size_t i = 0; i < n; ++i) sent[c * n + i] = static_cast<float>(g.rank() * 100 + c * 10000 + i);
+      for (std::size_t i = 0; i < n; ++i)
+        sent[c * n + i] = static_cast<float>(g.rank() * 100 + c * 10000 + i);
     }
     g.all_to_all(sent.data(), n * sizeof(float), got.data(), milliseconds(20000));
     for (int m = 0; m < w; ++m) {

@@ -1,5 +1,6 @@
 """Checkpoints: bit-identical resume (ZeRO-1 + int8 error feedback, and a
-pipeline, each also in mixed precision: bf16 masters, fp16 loss scale), resharding across (tp, pp, dp), atomic commit, and clear errors on
+pipeline, each also in mixed precision: bf16 masters, fp16 loss scale),
+resharding across (tp, pp, dp), atomic commit, and clear errors on
 corrupted or incompatible checkpoints."""
 
 import json

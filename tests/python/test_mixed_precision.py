@@ -48,10 +48,12 @@ def _model(dtype):
 
 
 def _main_grads_and_master_step(rank, world, zero):
+    import megatronapp as mapp
     from megatronapp.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megatronapp.training import finalize_model_grads
 
+    mapp.initialize_model_parallel()  # dp = world
     bf = _model(torch.bfloat16)
     ddp = DistributedDataParallel(bf, grad_reduce_in_fp32=True, bucket_size_mb=0.001)
     cls = DistributedOptimizer if zero else MixedPrecisionOptimizer
@@ -117,10 +119,12 @@ def test_fp32_main_gradients_and_master_weights_match_references(zero):
 
 
 def _fp16_overflow_is_skipped(rank, world, zero, hysteresis):
+    import megatronapp as mapp
     from megatronapp.data_parallel import DistributedDataParallel
     from megatronapp.grad_scaler import DynamicGradScaler
     from megatronapp.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 
+    mapp.initialize_model_parallel()
     model = _model(torch.float16)
     ddp = DistributedDataParallel(model, grad_reduce_in_fp32=True)
     cls = DistributedOptimizer if zero else MixedPrecisionOptimizer
@@ -156,18 +160,18 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(zero):
         assert skipped == 1 and log[1][:3] == (False, False, 2.0**10)
 
 
-def test_bf16_needs_fp32_main_gradients():
+def _needs_fp32_main_gradients(rank, world):
+    from megatronapp.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import MixedPrecisionOptimizer
 
-    def body(rank, world):
-        from megatronapp.data_parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(_model(torch.bfloat16))
+    with pytest.raises(ValueError, match="grad_reduce_in_fp32=True"):
+        MixedPrecisionOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
+    return True
 
-        ddp = DistributedDataParallel(_model(torch.bfloat16))
-        with pytest.raises(ValueError, match="grad_reduce_in_fp32=True"):
-            MixedPrecisionOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
-        return True
 
-    assert run_ranks(body, 1) == [True]
+def test_bf16_needs_fp32_main_gradients():
+    assert run_ranks(_needs_fp32_main_gradients, 1) == [True]
 
 
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",

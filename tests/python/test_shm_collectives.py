@@ -54,7 +54,8 @@ def _collectives_agree(rank, world, slot_bytes):
     nc = mine.float().transpose(0, 2)  # not contiguous: reduced in place all the same
     assert not nc.is_contiguous()
     C.all_reduce_sum_(nc, shm)
-    check("all_reduce non-contiguous", nc, total.transpose(0, 2), C.all_reduce_sum_(mine.float().transpose(0, 2).contiguous(), gloo))
+    via_gloo = C.all_reduce_sum_(mine.float().transpose(0, 2).contiguous(), gloo)
+    check("all_reduce non-contiguous", nc, total.transpose(0, 2), via_gloo)
     for dim in (0, 1, -1):
         x = mine.float()
         check(f"all_gather dim {dim}", C.all_gather(x, dim, shm),

@@ -60,12 +60,10 @@ class ShmGroup {
   void all_reduce(void* data, std::size_t bytes, std::size_t elem_size, const Reduce& add,
                   std::chrono::milliseconds timeout);
   // `out` (world * bytes) receives every member's `in` (bytes), member-major.
-  void all_gather(const void* in, std::size_t bytes, void* out,
-                  std::chrono::milliseconds timeout);
+  void all_gather(const void* in, std::size_t bytes, void* out, std::chrono::milliseconds timeout);
   // `in` and `out` hold world chunks of `bytes` each: chunk j of member i's
   // `in` lands in chunk i of member j's `out`.
-  void all_to_all(const void* in, std::size_t bytes, void* out,
-                  std::chrono::milliseconds timeout);
+  void all_to_all(const void* in, std::size_t bytes, void* out, std::chrono::milliseconds timeout);
   // `in` holds world chunks of `bytes` each; `out` (bytes) receives the sum of
   // every member's chunk `rank`.
   void reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,
@@ -85,8 +83,8 @@ class ShmGroup {
   Header* header_ = nullptr;
   std::uint64_t piece_ = 0;  // pieces moved so far; picks the area
   bool unlinked_ = false;
-  bool broken_ = false;      // a barrier timed out: members are out of step
-  std::mutex mu_;            // one collective at a time per process
+  bool broken_ = false;  // a barrier timed out: members are out of step
+  std::mutex mu_;        // one collective at a time per process
 };
 
 }  // namespace mapp::comm

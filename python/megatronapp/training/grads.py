@@ -16,7 +16,8 @@ After the last backward of a step, :func:`finish_gradients` does, in order:
 Full gradients (``param.grad``), float32 main gradients (a
 :class:`~megatronapp.optimizer.MixedPrecisionOptimizer`) and ZeRO-1 shards
 (the fp32 slice of each parameter a
-:class:`~megatronapp.optimizer.DistributedOptimizer` rank owns) take the same path: both are lists of ``(param, grad)`` pairs, and every sum
+:class:`~megatronapp.optimizer.DistributedOptimizer` rank owns) take the same
+path: all are lists of ``(param, grad)`` pairs, and every sum
 above is element-wise, so a shard is summed exactly like the full tensor.
 """
 

@@ -30,8 +30,8 @@ from .. import parallel_state as ps
 from ..comm import Compression
 from ..data import TextDataset, default_corpus, padded_vocab_size
 from ..data_parallel import DistributedDataParallel
-from ..models import GPTConfig, GPTModel
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ..models import GPTConfig, GPTModel
 from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
 from .config import Config, ConfigError, Plan
