@@ -56,7 +56,7 @@ def _rank(rank, world, port, what, flags, queue):
     from megatronapp.pretrain import build_parser
     from megatronapp.training import Config, build_run, train, train_step
 
-    args = build_parser().parse_args(MODEL + flags + ["--output-dir", f"/tmp/mapp_prec_{rank}"])
+    args = build_parser().parse_args(MODEL + flags + ["--output-dir", "/tmp/mapp_precision"])
     if what == "train":
         out = train(args)["valid_loss"]
     else:
@@ -92,7 +92,17 @@ def launch(what, flags, world=4):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(queue.get(timeout=1800) for _ in procs)
+    got = {}
+    while len(got) < world:  # a rank that dies says so instead of hanging the benchmark
+        try:
+            r, data = queue.get(timeout=5)
+            got[r] = data
+        except Exception:  # queue.Empty
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"{what} {flags}: ranks {dead} failed") from None
     for p in procs:
         p.join()
     return [torch.load(io.BytesIO(got[r])) for r in range(world)]

@@ -22,7 +22,7 @@ namespace mapp::comm {
 namespace {
 
 constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
-constexpr std::size_t kHeaderBytes = 4096;
+constexpr std::size_t kPage = 4096;
 constexpr int kSpins = 256;  // busy polls before yielding
 constexpr int kYields = 16;  // sched_yield polls before sleeping on the futex
 
@@ -52,7 +52,34 @@ struct ShmGroup::Header {
   alignas(64) std::atomic<std::uint32_t> phase;     // barrier generation (futex word)
   alignas(64) std::atomic<std::uint32_t> sleepers;  // members asleep on `phase`
 };
-static_assert(sizeof(ShmGroup::Header) <= kHeaderBytes);
+
+// What a member is about to run; members compare them after the first barrier
+// of every collective (two sets, alternating like the data areas).
+struct ShmGroup::Call {
+  std::uint32_t op;    // 1 all_reduce, 2 all_gather, 3 reduce_scatter, 4 all_to_all
+  std::uint32_t elem;  // element size
+  std::uint64_t bytes;
+};
+
+namespace {
+
+std::size_t header_bytes(int world) {
+  const std::size_t raw = sizeof(ShmGroup::Header) + 2 * static_cast<std::size_t>(world) *
+                                                         sizeof(ShmGroup::Call);
+  return (raw + kPage - 1) / kPage * kPage;
+}
+
+const char* op_name(std::uint32_t op) {
+  switch (op) {
+    case 1: return "all_reduce";
+    case 2: return "all_gather";
+    case 3: return "reduce_scatter";
+    case 4: return "all_to_all";
+    default: return "?";
+  }
+}
+
+}  // namespace
 
 std::unique_ptr<ShmGroup> ShmGroup::create(const std::string& name, int rank, int world,
                                            std::size_t slot_bytes) {
@@ -76,7 +103,8 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
              world, "); raise MAPP_SHM_SLOT_BYTES");
   MAPP_CHECK(!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos,
              "shared-memory group: '", name, "' is not a POSIX shm name ('/' then no '/')");
-  map_bytes_ = kHeaderBytes + 2 * static_cast<std::size_t>(world) * slot_bytes;
+  header_bytes_ = header_bytes(world);
+  map_bytes_ = header_bytes_ + 2 * static_cast<std::size_t>(world) * slot_bytes;
   const int fd = ::shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
   if (fd < 0)
     MAPP_FAIL_BACKEND("shm_open('", name, "') failed: ", errno_text(),
@@ -136,7 +164,7 @@ void ShmGroup::unlink() {
 }
 
 std::uint8_t* ShmGroup::slot(int area, int member) const {
-  return static_cast<std::uint8_t*>(base_) + kHeaderBytes +
+  return static_cast<std::uint8_t*>(base_) + header_bytes_ +
          (static_cast<std::size_t>(area) * world_ + member) * slot_bytes_;
 }
 
@@ -177,6 +205,37 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
   }
 }
 
+ShmGroup::Call* ShmGroup::calls(int set) const {
+  auto* first = reinterpret_cast<Call*>(static_cast<std::uint8_t*>(base_) + sizeof(Header));
+  return first + static_cast<std::size_t>(set) * world_;
+}
+
+int ShmGroup::announce(std::uint32_t op, std::size_t bytes, std::size_t elem) {
+  const int set = static_cast<int>(ops_++ & 1);
+  calls(set)[rank_] = Call{op, static_cast<std::uint32_t>(elem), bytes};
+  return set;
+}
+
+void ShmGroup::verify(int set) {
+  const Call* c = calls(set);
+  bool same = true;
+  for (int m = 0; m < world_; ++m) {
+    same = same && c[m].op == c[rank_].op && c[m].elem == c[rank_].elem &&
+           c[m].bytes == c[rank_].bytes;
+  }
+  if (same) return;
+  broken_ = true;
+  std::string all;
+  for (int m = 0; m < world_; ++m) {
+    all += (m ? ", " : "") + std::string("member ") + std::to_string(m) + ": " +
+           op_name(c[m].op) + " of " + std::to_string(c[m].bytes) + " bytes (" +
+           std::to_string(c[m].elem) + "-byte elements)";
+  }
+  MAPP_CHECK_STATE(false, "shared-memory group '", name_,
+                   "': the members issued different collectives (", all,
+                   "); every member must issue the same collectives in the same order");
+}
+
 namespace {
 
 void check_usable(bool broken, const std::string& name, const char* op) {
@@ -197,11 +256,13 @@ void ShmGroup::all_reduce(void* data, std::size_t bytes, std::size_t elem_size, 
   auto* p = static_cast<std::uint8_t*>(data);
   const std::size_t n = bytes / elem_size;
   const std::size_t piece_elems = slot_bytes_ / elem_size;
+  const int set = n ? announce(1, bytes, elem_size) : 0;
   for (std::size_t off = 0; off < n; off += piece_elems) {
     const std::size_t cnt = std::min(piece_elems, n - off);
     const int area = static_cast<int>(piece_++ & 1);
     std::memcpy(slot(area, rank_), p + off * elem_size, cnt * elem_size);
     barrier("all_reduce", deadline);
+    if (off == 0) verify(set);
     // Member r reduces sub-chunk r into its own slot, adding the others in member order.
     const std::size_t per = (cnt + world_ - 1) / world_;
     const auto range = [&](int m) {
@@ -233,11 +294,13 @@ void ShmGroup::all_gather(const void* in, std::size_t bytes, void* out,
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const auto* src = static_cast<const std::uint8_t*>(in);
   auto* dst = static_cast<std::uint8_t*>(out);
+  const int set = bytes ? announce(2, bytes, 1) : 0;
   for (std::size_t off = 0; off < bytes; off += slot_bytes_) {
     const std::size_t cnt = std::min(slot_bytes_, bytes - off);
     const int area = static_cast<int>(piece_++ & 1);
     std::memcpy(slot(area, rank_), src + off, cnt);
     barrier("all_gather", deadline);
+    if (off == 0) verify(set);
     for (int m = 0; m < world_; ++m) std::memcpy(dst + m * bytes + off, slot(area, m), cnt);
   }
 }
@@ -250,12 +313,14 @@ void ShmGroup::all_to_all(const void* in, std::size_t bytes, void* out,
   const auto* src = static_cast<const std::uint8_t*>(in);
   auto* dst = static_cast<std::uint8_t*>(out);
   const std::size_t step = slot_bytes_ / world_;  // bytes of each chunk per piece
+  const int set = bytes ? announce(4, bytes, 1) : 0;
   for (std::size_t off = 0; off < bytes; off += step) {
     const std::size_t cnt = std::min(step, bytes - off);
     const int area = static_cast<int>(piece_++ & 1);
     for (int m = 0; m < world_; ++m)
       std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
     barrier("all_to_all", deadline);
+    if (off == 0) verify(set);
     for (int m = 0; m < world_; ++m)
       std::memcpy(dst + m * bytes + off, slot(area, m) + rank_ * cnt, cnt);
   }
@@ -272,12 +337,14 @@ void ShmGroup::reduce_scatter(const void* in, std::size_t bytes, void* out, std:
   auto* dst = static_cast<std::uint8_t*>(out);
   // A piece carries `step` bytes of each of the world chunks.
   const std::size_t step = slot_bytes_ / world_ / elem_size * elem_size;
+  const int set = bytes ? announce(3, bytes, elem_size) : 0;
   for (std::size_t off = 0; off < bytes; off += step) {
     const std::size_t cnt = std::min(step, bytes - off);
     const int area = static_cast<int>(piece_++ & 1);
     for (int m = 0; m < world_; ++m)
       std::memcpy(slot(area, rank_) + m * cnt, src + m * bytes + off, cnt);
     barrier("reduce_scatter", deadline);
+    if (off == 0) verify(set);
     std::memcpy(dst + off, slot(area, 0) + rank_ * cnt, cnt);
     for (int m = 1; m < world_; ++m) add(dst + off, slot(area, m) + rank_ * cnt, cnt);
   }

@@ -16,9 +16,10 @@ const std::vector<Tunable>& tunables() {
        "seconds a blocking collective of ours may wait before it fails with an "
        "error naming the operation and group"},
       {"MAPP_SHM_COLLECTIVES", "1",
-       "1: CPU tensor-parallel collectives among ranks of one node move through shared "
-       "memory (megatronapp._collectives.enable_shared_memory); 0: through the group's "
-       "backend (Gloo)"},
+       "1: our CPU collectives on a group whose ranks share a node (tensor, data, model, "
+       "embedding groups) move through shared memory "
+       "(megatronapp._collectives.enable_shared_memory); 0: through the group's backend "
+       "(Gloo)"},
       {"MAPP_SHM_SLOT_BYTES", "2097152",
        "bytes each rank owns per area of a shared-memory group (two areas); larger tensors "
        "move in pieces of this size"},

@@ -134,6 +134,26 @@ TEST(ShmGroup, MissingMemberTimesOutThenRefusesFurtherUse) {
   EXPECT_THROW(g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(200)), StateError);
 }
 
+TEST(ShmGroup, DifferentCollectivesAreAnErrorOnEveryMember) {
+  run_members(2, 256, unique_name("mix"), [](ShmGroup& g) {
+    std::vector<float> x(4, 1.0F), out(8);
+    try {
+      if (g.rank() == 0) {
+        g.all_reduce(x.data(), 16, sizeof(float), kAddFloat, milliseconds(5000));
+      } else {
+        g.all_gather(x.data(), 16, out.data(), milliseconds(5000));
+      }
+    } catch (const StateError& e) {
+      const std::string what = e.what();
+      return what.find("member 0: all_reduce of 16 bytes") != std::string::npos &&
+                     what.find("member 1: all_gather of 16 bytes") != std::string::npos
+                 ? 0
+                 : 5;
+    }
+    return 6;
+  });
+}
+
 TEST(ShmGroup, BadSettingsAreClearErrors) {
   const std::string name = unique_name("bad");
   auto g = ShmGroup::create(name, 0, 2, 256);

@@ -13,6 +13,10 @@
 // all-gather, all-to-all or reduce-scatter piece. Tensors larger than a slot move in
 // pieces.
 //
+// Members announce each collective (operation, bytes, element size) and
+// compare after its first barrier: members that issue different collectives
+// get an error naming each member's call, not a silent wrong answer.
+//
 // Every member computes the same result bit for bit: each element is reduced
 // by exactly one member, in member order, and everyone copies that value.
 //
@@ -35,6 +39,7 @@ namespace mapp::comm {
 class ShmGroup {
  public:
   struct Header;  // in the segment; defined in shm_group.cc
+  struct Call;    // a member's announced collective, checked against the others
   // `add(dst, src, bytes)` adds the elements at `src` into those at `dst`.
   using Reduce = std::function<void(void* dst, const void* src, std::size_t bytes)>;
 
@@ -73,15 +78,20 @@ class ShmGroup {
   ShmGroup(const std::string& name, int rank, int world, std::size_t slot_bytes, bool create);
   std::uint8_t* slot(int area, int member) const;
   void barrier(const char* op, std::chrono::steady_clock::time_point deadline);
+  Call* calls(int set) const;
+  int announce(std::uint32_t op, std::size_t bytes, std::size_t elem);  // returns its set
+  void verify(int set);  // throws StateError when the members' calls differ
 
   std::string name_;
   int rank_;
   int world_;
   std::size_t slot_bytes_;
+  std::size_t header_bytes_ = 0;
   std::size_t map_bytes_ = 0;
   void* base_ = nullptr;
   Header* header_ = nullptr;
   std::uint64_t piece_ = 0;  // pieces moved so far; picks the area
+  std::uint64_t ops_ = 0;    // collectives announced so far; picks the call set
   bool unlinked_ = false;
   bool broken_ = false;  // a barrier timed out: members are out of step
   std::mutex mu_;        // one collective at a time per process
