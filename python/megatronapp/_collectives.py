@@ -3,11 +3,6 @@ group resolved by name. Autograd-aware wrappers live in tensor_parallel.mappings
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
-import warnings
-
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: PLC2701
 
@@ -23,82 +18,6 @@ def default_store() -> dist.Store:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()  # noqa: SLF001 (torch has no public getter)
-
-
-def node_identity() -> str:
-    """What ranks must share to share memory: the host (name and boot), the
-    /dev/shm mount, and the network namespace, which is how the benchmarks'
-    emulated nodes (benchmarks/netns.py) stand apart on one machine."""
-    def read(path):
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            return "?"
-
-    def inode(path):
-        try:
-            st = os.stat(path)
-            return f"{st.st_dev}:{st.st_ino}"
-        except OSError:
-            return "?"
-
-    return "|".join([socket.gethostname(), read("/proc/sys/kernel/random/boot_id"),
-                     inode("/dev/shm"), inode("/proc/self/ns/net")])
-
-
-def enable_shared_memory(group: dist.ProcessGroup) -> bool:
-    """Moves this group's CPU collectives (all_reduce_sum_, all_gather,
-    reduce_scatter_sum and the layers built on them) through one shared-memory
-    segment when every member runs on this node; a no-op returning False for a
-    group of one, a group spanning nodes, a non-Gloo group (NCCL has its own
-    intra-node transports), or ``MAPP_SHM_COLLECTIVES=0``. Collective: every
-    member must call it. If any member cannot map the segment, every member
-    stays on the backend and a warning says why."""
-    if group is None or group.size() == 1 or os.environ.get("MAPP_SHM_COLLECTIVES", "1") == "0":
-        return False
-    if dist.get_backend(group) != "gloo":
-        return False
-    idents: list = [None] * group.size()
-    dist.all_gather_object(idents, node_identity(), group=group)
-    if len(set(idents)) != 1:
-        return False
-    name, err = None, None
-    if group.rank() == 0:
-        name = f"/mapp-{os.getpid()}-{secrets.token_hex(6)}"
-        try:
-            torch.ops.mapp.shm_attach(group.group_name, name, True)
-        except RuntimeError as e:
-            name, err = None, str(e)
-    box = [name, err]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    name, err = box
-    if name is not None and group.rank() != 0:
-        try:
-            torch.ops.mapp.shm_attach(group.group_name, name, False)
-        except RuntimeError as e:
-            err = str(e)
-    errs: list = [None] * group.size()
-    dist.all_gather_object(errs, err, group=group)  # every member has opened (or failed)
-    if group.rank() == 0 and name is not None:
-        torch.ops.mapp.shm_unlink(group.group_name)
-    failed = [e for e in errs if e]
-    if failed:
-        torch.ops.mapp.shm_detach(group.group_name)
-        warnings.warn(f"shared-memory collectives unavailable on group {group.group_name} "
-                      f"({failed[0]}); using the Gloo backend", stacklevel=2)
-        return False
-    return True
-
-
-def disable_shared_memory(group: dist.ProcessGroup) -> None:
-    """Sends this group's collectives back to its backend (not collective)."""
-    if group is not None:
-        torch.ops.mapp.shm_detach(group.group_name)
-
-
-def shared_memory_enabled(group: dist.ProcessGroup) -> bool:
-    return group is not None and bool(torch.ops.mapp.shm_attached(group.group_name))
 
 
 def group_size(group: dist.ProcessGroup) -> int:

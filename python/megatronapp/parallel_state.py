@@ -17,9 +17,15 @@ this module only turns its groups into process groups.
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
+import warnings
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+import torch
 
 from ._C import RankGrid
 
@@ -96,6 +102,84 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
+
+
+# ---- the groups' intra-node transport ------------------------------------------------
+def node_identity() -> str:
+    """What ranks must share to share memory: the host (name and boot), the
+    /dev/shm mount, and the network namespace, which is how the benchmarks'
+    emulated nodes (benchmarks/netns.py) stand apart on one machine."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return "?"
+
+    def inode(path):
+        try:
+            st = os.stat(path)
+            return f"{st.st_dev}:{st.st_ino}"
+        except OSError:
+            return "?"
+
+    return "|".join([socket.gethostname(), read("/proc/sys/kernel/random/boot_id"),
+                     inode("/dev/shm"), inode("/proc/self/ns/net")])
+
+
+def enable_shared_memory(group: dist.ProcessGroup) -> bool:
+    """Moves this group's CPU collectives (all_reduce_sum_, all_gather,
+    reduce_scatter_sum and the layers built on them) through one shared-memory
+    segment when every member runs on this node; a no-op returning False for a
+    group of one, a group spanning nodes, a non-Gloo group (NCCL has its own
+    intra-node transports), or ``MAPP_SHM_COLLECTIVES=0``. Collective: every
+    member must call it. If any member cannot map the segment, every member
+    stays on the backend and a warning says why."""
+    if group is None or group.size() == 1 or os.environ.get("MAPP_SHM_COLLECTIVES", "1") == "0":
+        return False
+    if dist.get_backend(group) != "gloo":
+        return False
+    idents: list = [None] * group.size()
+    dist.all_gather_object(idents, node_identity(), group=group)
+    if len(set(idents)) != 1:
+        return False
+    name, err = None, None
+    if group.rank() == 0:
+        name = f"/mapp-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            torch.ops.mapp.shm_attach(group.group_name, name, True)
+        except RuntimeError as e:
+            name, err = None, str(e)
+    box = [name, err]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    name, err = box
+    if name is not None and group.rank() != 0:
+        try:
+            torch.ops.mapp.shm_attach(group.group_name, name, False)
+        except RuntimeError as e:
+            err = str(e)
+    errs: list = [None] * group.size()
+    dist.all_gather_object(errs, err, group=group)  # every member has opened (or failed)
+    if group.rank() == 0 and name is not None:
+        torch.ops.mapp.shm_unlink(group.group_name)
+    failed = [e for e in errs if e]
+    if failed:
+        torch.ops.mapp.shm_detach(group.group_name)
+        warnings.warn(f"shared-memory collectives unavailable on group {group.group_name} "
+                      f"({failed[0]}); using the Gloo backend", stacklevel=2)
+        return False
+    return True
+
+
+def disable_shared_memory(group: dist.ProcessGroup) -> None:
+    """Sends this group's collectives back to its backend (not collective)."""
+    if group is not None:
+        torch.ops.mapp.shm_detach(group.group_name)
+
+
+def shared_memory_enabled(group: dist.ProcessGroup) -> bool:
+    return group is not None and bool(torch.ops.mapp.shm_attached(group.group_name))
+
 
 
 def _new_groups(grid: RankGrid, rank: int, axes: list[str], backend=None):
@@ -179,8 +263,6 @@ def create_parallel_state(
             emb_group, emb_ranks = g, list(ranks)
     # On one node our collectives on these groups (tensor-parallel activations,
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
-    from ._collectives import enable_shared_memory
-
     for g in (tp_group, dp_group, mp_group, emb_group):
         enable_shared_memory(g)
     return ParallelState(
@@ -205,8 +287,6 @@ def destroy_model_parallel() -> None:
         return
     groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
               _STATE.model_group, _STATE.embedding_group}
-    from ._collectives import disable_shared_memory
-
     for g in groups:
         if g is not None and dist.is_initialized():
             disable_shared_memory(g)

@@ -18,7 +18,7 @@ const std::vector<Tunable>& tunables() {
       {"MAPP_SHM_COLLECTIVES", "1",
        "1: our CPU collectives on a group whose ranks share a node (tensor, data, model, "
        "embedding groups) move through shared memory "
-       "(megatronapp._collectives.enable_shared_memory); 0: through the group's backend "
+       "(megatronapp.parallel_state.enable_shared_memory); 0: through the group's backend "
        "(Gloo)"},
       {"MAPP_SHM_SLOT_BYTES", "2097152",
        "bytes each rank owns per area of a shared-memory group (two areas); larger tensors "

@@ -61,7 +61,7 @@ void run(const char* op, const std::string& group_name, Issue&& issue, std::int6
 
 // ---- the group's transport (src/torch/collectives.cc) ----------------------------
 // The shared-memory group registered for `group_name` (Python:
-// _collectives.enable_shared_memory) when `t` is a CPU tensor, else null.
+// parallel_state.enable_shared_memory) when `t` is a CPU tensor, else null.
 std::shared_ptr<comm::ShmGroup> shm_for(const at::Tensor& t, const std::string& group_name);
 bool has_shm(const at::Tensor& t, const std::string& group_name);
 // Elementwise dst += src of `dtype` (ATen), the reduction of the shared-memory group.

@@ -18,11 +18,12 @@ def _collectives_agree(rank, world, slot_bytes):
 
     import megatronapp  # noqa: F401  (loads torch.ops.mapp)
     from megatronapp import _collectives as C
+    from megatronapp import parallel_state as S
 
     shm = dist.new_group(list(range(world)))
     gloo = dist.new_group(list(range(world)))
-    assert C.enable_shared_memory(shm) and C.shared_memory_enabled(shm)
-    assert not C.shared_memory_enabled(gloo)
+    assert S.enable_shared_memory(shm) and S.shared_memory_enabled(shm)
+    assert not S.shared_memory_enabled(gloo)
     g = torch.Generator().manual_seed(5)
     per_rank = [torch.randn(37, 6, 10, generator=g, dtype=torch.float64) for _ in range(world)]
     mine = per_rank[rank]
@@ -68,8 +69,8 @@ def _collectives_agree(rank, world, slot_bytes):
     y = torch.randn(8 * world, 5, generator=g).bfloat16()
     check("reduce_scatter bf16 dim 0", C.reduce_scatter_sum(y, 0, shm),
           (y.double() * world).chunk(world, 0)[rank], C.reduce_scatter_sum(y, 0, gloo))
-    C.disable_shared_memory(shm)
-    assert not C.shared_memory_enabled(shm)
+    S.disable_shared_memory(shm)
+    assert not S.shared_memory_enabled(shm)
     return bad
 
 
@@ -83,11 +84,11 @@ def test_shared_memory_collectives_match_gloo_and_closed_form(world, slot):
 def _model_parallel_groups(rank, world, pp, env):
     os.environ.update(env)
     import megatronapp as mapp
-    from megatronapp import _collectives as C
+    from megatronapp import parallel_state as S
 
     st = mapp.initialize_model_parallel(tensor_model_parallel_size=2,
                                         pipeline_model_parallel_size=pp)
-    return [C.shared_memory_enabled(g) for g in
+    return [S.shared_memory_enabled(g) for g in
             (st.tensor_group, st.data_group, st.model_group, st.pipeline_group)]
 
 
@@ -106,10 +107,11 @@ def _other_node(rank, world):
 
     import megatronapp  # noqa: F401
     from megatronapp import _collectives as C
+    from megatronapp import parallel_state as S
 
-    C.node_identity = lambda: f"node-{rank}"  # as if each rank had its own host
+    S.node_identity = lambda: f"node-{rank}"  # as if each rank had its own host
     g = dist.new_group(list(range(world)))
-    enabled = C.enable_shared_memory(g)
+    enabled = S.enable_shared_memory(g)
     x = torch.full((3,), float(rank + 1))
     C.all_reduce_sum_(x, g)
     return enabled, x.tolist()
@@ -126,9 +128,10 @@ def _missing_member(rank, world):
 
     import megatronapp  # noqa: F401
     from megatronapp import _collectives as C
+    from megatronapp import parallel_state as S
 
     g = dist.new_group(list(range(world)))
-    assert C.enable_shared_memory(g)
+    assert S.enable_shared_memory(g)
     if rank == 1:
         return "skipped"  # never joins the all-reduce
     with pytest.raises(RuntimeError, match="timed out waiting for the other members"):
@@ -146,10 +149,10 @@ def _compressed_agree(rank, world):
     import torch.distributed as dist
 
     import megatronapp as mapp
-    from megatronapp import _collectives as C
+    from megatronapp import parallel_state as S
 
     shm, gloo = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
-    assert C.enable_shared_memory(shm)
+    assert S.enable_shared_memory(shm)
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(1000, generator=g)
     bad = []

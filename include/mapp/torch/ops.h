@@ -32,7 +32,7 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
 // then on CPU tensors of all_reduce_sum_ / all_gather / reduce_scatter_sum on
 // this group move through it instead of the group's backend. shm_unlink
 // removes the name once every member opened it; shm_detach goes back to the
-// backend. Python: megatronapp._collectives.enable_shared_memory does all this.
+// backend. Python: megatronapp.parallel_state.enable_shared_memory does all this.
 bool shm_attach(const std::string& group_name, const std::string& shm_name, bool create);
 void shm_unlink(const std::string& group_name);
 void shm_detach(const std::string& group_name);
