@@ -21,14 +21,14 @@ Results: benchmarks/RESULTS.md ("Mixed precision").
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import socket
 import sys
 
-import torch.multiprocessing as mp
-
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "python"))
+from dist_harness import run_ranks  # noqa: E402  (spawns ranks, reports a dead one)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
@@ -43,29 +43,17 @@ LAYOUTS = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, world, port, what, flags, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def _rank(rank, world, what, flags):
+    """One rank (process group already up: tests/python/dist_harness.run_ranks)."""
     from megatronapp.pretrain import build_parser
     from megatronapp.training import Config, build_run, train, train_step
 
     args = build_parser().parse_args(MODEL + flags + ["--output-dir", "/tmp/mapp_precision"])
     if what == "train":
-        out = train(args)["valid_loss"]
-    else:
-        run = build_run(Config.from_args(args))
-        train_step(run, 0)  # the optimizer's state exists after its first step
-        out = _bytes(run)
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    queue.put((rank, buf.getvalue()))
+        return train(args)["valid_loss"]
+    run = build_run(Config.from_args(args))
+    train_step(run, 0)  # the optimizer's state exists after its first step
+    return _bytes(run)
 
 
 def _bytes(run) -> dict:
@@ -85,27 +73,7 @@ def _bytes(run) -> dict:
 
 
 def launch(what, flags, world=4):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, what, flags, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    while len(got) < world:  # a rank that dies says so instead of hanging the benchmark
-        try:
-            r, data = queue.get(timeout=5)
-            got[r] = data
-        except Exception:  # queue.Empty
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"{what} {flags}: ranks {dead} failed") from None
-    for p in procs:
-        p.join()
-    return [torch.load(io.BytesIO(got[r])) for r in range(world)]
+    return run_ranks(_rank, world, what, flags, timeout=1800)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "c10d_util.h"
 #include "mapp/comm/shm_group.h"
@@ -48,62 +49,65 @@ bool has_shm(const at::Tensor& t, const std::string& group_name) {
   return shm_for(t, group_name) != nullptr;
 }
 
+// Runs `on_shm(group)` through the group's shared memory when it has one for
+// `t`, else waits for the c10d Work that `issue()` returns; traced as `op`.
+template <typename OnShm, typename Issue>
+void dispatch(const char* op, const std::string& group_name, const at::Tensor& t, OnShm&& on_shm,
+              Issue&& issue) {
+  if (auto shm = shm_for(t, group_name)) {
+    traced(op, group_name, t.nbytes(), [&] { on_shm(*shm); });
+  } else {
+    run(op, group_name, std::forward<Issue>(issue), t.nbytes());
+  }
+}
+
 void all_reduce_base(at::Tensor& buf, const std::string& group_name, c10d::ProcessGroup& pg,
                      const char* op) {
-  if (auto shm = shm_for(buf, group_name)) {
-    traced(op, group_name, buf.nbytes(), [&] {
-      shm->all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(), aten_add(buf.scalar_type()),
-                      collective_timeout());
-    });
-    return;
-  }
   std::vector<at::Tensor> tensors{buf};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  run(
-      op, group_name, [&] { return pg.allreduce(tensors, opts); }, buf.nbytes());
+  dispatch(
+      op, group_name, buf,
+      [&](comm::ShmGroup& g) {
+        g.all_reduce(buf.data_ptr(), buf.nbytes(), buf.element_size(), aten_add(buf.scalar_type()),
+                     collective_timeout());
+      },
+      [&] { return pg.allreduce(tensors, opts); });
 }
 
 void all_gather_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
                      c10d::ProcessGroup& pg, const char* op) {
-  if (auto shm = shm_for(in, group_name)) {
-    traced(op, group_name, in.nbytes(), [&] {
-      shm->all_gather(in.data_ptr(), in.nbytes(), out.data_ptr(), collective_timeout());
-    });
-    return;
-  }
-  at::Tensor src = in;  // c10d's signature takes a mutable reference
-  run(
-      op, group_name, [&] { return pg._allgather_base(out, src); }, in.nbytes());
+  at::Tensor src = in;  // c10d's signatures take mutable references
+  dispatch(
+      op, group_name, in,
+      [&](comm::ShmGroup& g) {
+        g.all_gather(in.data_ptr(), in.nbytes(), out.data_ptr(), collective_timeout());
+      },
+      [&] { return pg._allgather_base(out, src); });
 }
 
 void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
                          c10d::ProcessGroup& pg, const char* op) {
-  if (auto shm = shm_for(in, group_name)) {
-    traced(op, group_name, in.nbytes(), [&] {
-      shm->reduce_scatter(in.data_ptr(), out.nbytes(), out.data_ptr(), out.element_size(),
-                          aten_add(out.scalar_type()), collective_timeout());
-    });
-    return;
-  }
   at::Tensor src = in;
-  run(
-      op, group_name, [&] { return pg._reduce_scatter_base(out, src); }, in.nbytes());
+  dispatch(
+      op, group_name, in,
+      [&](comm::ShmGroup& g) {
+        g.reduce_scatter(in.data_ptr(), out.nbytes(), out.data_ptr(), out.element_size(),
+                         aten_add(out.scalar_type()), collective_timeout());
+      },
+      [&] { return pg._reduce_scatter_base(out, src); });
 }
 
 void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
                      c10d::ProcessGroup& pg, const char* op) {
-  if (auto shm = shm_for(in, group_name)) {
-    traced(op, group_name, in.nbytes(), [&] {
-      shm->all_to_all(in.data_ptr(), in.nbytes() / shm->world(), out.data_ptr(),
-                      collective_timeout());
-    });
-    return;
-  }
   at::Tensor src = in;
   std::vector<std::int64_t> splits;  // equal splits
-  run(
-      op, group_name, [&] { return pg.alltoall_base(out, src, splits, splits); }, in.nbytes());
+  dispatch(
+      op, group_name, in,
+      [&](comm::ShmGroup& g) {
+        g.all_to_all(in.data_ptr(), in.nbytes() / g.world(), out.data_ptr(), collective_timeout());
+      },
+      [&] { return pg.alltoall_base(out, src, splits, splits); });
 }
 
 }  // namespace internal
