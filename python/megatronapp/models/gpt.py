@@ -29,6 +29,7 @@ from ..tensor_parallel import (
     mappings,
     vocab_parallel_cross_entropy,
 )
+from ..tensor_parallel.random import checkpoint, get_rng_tracker
 from ..tensor_parallel.utils import divide, resolve_state
 
 
@@ -46,6 +47,17 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     sequence_parallel: bool = False  #: shard LayerNorm/residual activations over tp
     share_embeddings_and_output_weights: bool = True
+    hidden_dropout: float = 0.0  #: after the embeddings, attention and MLP (Megatron: 0.1)
+    attention_dropout: float = 0.0  #: on the attention probabilities (Megatron: 0.1)
+    #: "auto"/"flash"/"fused": torch's fused scaled_dot_product_attention (no
+    #: [s, s] scores kept); "unfused"/"local": scores, softmax, dropout and the
+    #: value product as separate ops, as Megatron's local core attention.
+    attention_backend: str = "auto"
+    #: None, "selective" (recompute core attention) or "full" (whole layers).
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None  #: full: "uniform" or "block"
+    recompute_num_layers: int | None = None  #: full: layers per group / first N layers
+    distribute_saved_activations: bool = False  #: full: keep 1/tp of each layer input
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -54,6 +66,15 @@ class GPTConfig:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads})")
+        check_recompute(self.recompute_granularity, self.recompute_method,
+                        self.recompute_num_layers, self.distribute_saved_activations,
+                        self.sequence_parallel)
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r}: expected one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
     def num_parameters(self) -> int:
         h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
@@ -61,6 +82,43 @@ class GPTConfig:
         per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         out = 0 if self.share_embeddings_and_output_weights else v * h
         return v * h + s * h + n * per_layer + 2 * h + out
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def check_recompute(granularity, method, num_layers, distribute=False,
+                    sequence_parallel=False) -> None:
+    """Megatron's rules for the recomputation flags; ValueError naming the flag."""
+    if granularity not in (None, "selective", "full"):
+        raise ValueError(f"--recompute-granularity {granularity!r}: expected selective or full")
+    if granularity == "full":
+        if method not in ("uniform", "block"):
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform "
+                             "or block")
+        if num_layers is None or num_layers < 1:
+            raise ValueError("--recompute-granularity full needs --recompute-num-layers N "
+                             "(N >= 1): layers per recomputed group (uniform) or the first N "
+                             "layers of each stage (block)")
+    elif method is not None:
+        raise ValueError(f"--recompute-method {method} applies only to "
+                         "--recompute-granularity full")
+    if distribute and granularity != "full":
+        raise ValueError("--distribute-saved-activations needs --recompute-granularity full")
+    if distribute and sequence_parallel:
+        raise ValueError("--distribute-saved-activations does not combine with "
+                         "--sequence-parallel (the layer inputs are already sharded)")
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
+    """Dropout whose masks agree across the tensor group on replicated
+    activations and differ on sharded ones (the tracked state)."""
+    if not training or p == 0.0:
+        return x
+    if not sharded:
+        return F.dropout(x, p, True)
+    with get_rng_tracker().fork():
+        return F.dropout(x, p, True)
 
 
 def _normal(std: float):
@@ -82,6 +140,9 @@ class ParallelAttention(nn.Module):
         tp = state.tp_size
         self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.dropout_p = cfg.attention_dropout
+        self.fused = cfg.attention_backend in ("auto", "flash", "fused")
+        self.selective = cfg.recompute_granularity == "selective"
         sp = cfg.sequence_parallel
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, 3 * cfg.hidden_size, sequence_parallel=sp,
@@ -95,9 +156,31 @@ class ParallelAttention(nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, d]
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.selective:
+            ctx = checkpoint(self.core_attention, False, q, k, v)
+        else:
+            ctx = self.core_attention(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(ctx)
+
+    def core_attention(self, q, k, v):
+        """softmax(q k^T / sqrt(d), causal) v with dropout on the
+        probabilities ([b, heads, s, d] each): the part selective
+        recomputation recomputes. The heads are this rank's, so dropout
+        draws from the tracked tensor-parallel state."""
+        p = self.dropout_p if self.training else 0.0
+        if self.fused:
+            if p == 0.0:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        s = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = _dropout(probs, p, True, sharded=True)
+        return torch.matmul(probs, v)
 
 
 class ParallelMLP(nn.Module):
@@ -118,6 +201,7 @@ class ParallelMLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: GPTConfig, state: ParallelState):
         super().__init__()
+        self.dropout_p, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
         # GPT-2 / Megatron scaled init of the output projections.
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
@@ -128,8 +212,9 @@ class TransformerLayer(nn.Module):
         _mark_sequence_parallel(self.ln2, cfg.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        p, sp = self.dropout_p, self.sequence_parallel
+        x = x + _dropout(self.attn(self.ln1(x)), p, self.training, sharded=sp)
+        return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
 
 
 @contextlib.contextmanager
@@ -220,8 +305,9 @@ class GPTModel(nn.Module):
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
             if self.config.sequence_parallel:
                 x = mappings.scatter_to_sequence_parallel_region(x, self.group)
-        for layer in self.layers:
-            x = layer(x)
+            x = _dropout(x, self.config.hidden_dropout, self.training,
+                         sharded=self.config.sequence_parallel)
+        x = self._layers_forward(x)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
@@ -237,3 +323,34 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group=self.group)
         return loss.transpose(0, 1)
+
+    def _layers_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's layers; with full recomputation, Megatron's methods:
+        ``uniform`` keeps only the input of every group of
+        ``recompute_num_layers`` consecutive layers and recomputes the group
+        in backward; ``block`` recomputes each of the first
+        ``recompute_num_layers`` layers of this stage (chunk) and keeps the
+        rest."""
+        cfg, layers = self.config, self.layers
+        if cfg.recompute_granularity != "full" or not (self.training and torch.is_grad_enabled()):
+            for layer in layers:
+                x = layer(x)
+            return x
+        n, k = len(layers), cfg.recompute_num_layers
+        dist_saved = cfg.distribute_saved_activations
+        if cfg.recompute_method == "uniform":
+            for start in range(0, n, k):
+                group = layers[start:start + k]
+                x = checkpoint(_run_layers(group), dist_saved, x, group=self.group)
+            return x
+        for i, layer in enumerate(layers):
+            x = checkpoint(layer, dist_saved, x, group=self.group) if i < k else layer(x)
+        return x
+
+
+def _run_layers(layers):
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+    return run

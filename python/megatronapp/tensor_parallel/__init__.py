@@ -11,6 +11,13 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .random import (
+    checkpoint,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_seed,
+)
 from .utils import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -27,4 +34,9 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "gather_full_state_dict",
     "load_full_state_dict",
+    "checkpoint",
+    "get_rng_tracker",
+    "get_cuda_rng_tracker",
+    "model_parallel_seed",
+    "model_parallel_cuda_manual_seed",
 ]

@@ -26,6 +26,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..comm import Compression
+from ..models.gpt import check_recompute
 from ..pipeline import SCHEDULES, make_schedule
 from ..pipeline.layout import layer_layout, parse_layout
 
@@ -114,6 +115,40 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = _flag(128, "pad the vocabulary to a multiple of this x tp")
     untie_embeddings_and_output_weights: bool = _flag(
         False, "separate output layer instead of the word embeddings")
+    hidden_dropout: float = _flag(
+        0.0, "dropout after the embeddings, attention and MLP (Megatron's default is 0.1)")
+    attention_dropout: float = _flag(
+        0.0, "dropout on the attention probabilities (Megatron's default is 0.1)")
+    attention_backend: str = _flag(
+        "auto", "core attention: auto/flash/fused use torch's fused scaled_dot_product_attention; "
+        "unfused/local compute scores, softmax and dropout as separate ops (Megatron's local "
+        "attention, what selective recomputation saves most on)",
+        choices=("auto", "flash", "fused", "unfused", "local"))
+
+
+@dataclass
+class RecomputeConfig:
+    recompute_activations: bool = _flag(
+        False, "shorthand for --recompute-granularity selective")
+    recompute_granularity: str | None = _flag(
+        None, "selective: recompute core attention in backward; full: recompute whole layers "
+        "(with --recompute-method and --recompute-num-layers)", choices=("selective", "full"))
+    recompute_method: str | None = _flag(
+        None, "full: uniform recomputes groups of --recompute-num-layers layers from their "
+        "input; block recomputes the first --recompute-num-layers layers of each stage",
+        choices=("uniform", "block"))
+    recompute_num_layers: int | None = _flag(
+        None, "full: layers per group (uniform) or recomputed layers per stage (block)",
+        metavar="N")
+    distribute_saved_activations: bool = _flag(
+        False, "full: keep 1/tp of each recomputed group's input per tensor rank "
+        "(not with --sequence-parallel)")
+
+    def granularity(self) -> str | None:
+        """--recompute-granularity, with --recompute-activations meaning selective."""
+        if self.recompute_activations and self.recompute_granularity is None:
+            return "selective"
+        return self.recompute_granularity
 
 
 @dataclass
@@ -192,6 +227,7 @@ SECTIONS = (
     ("data_parallel", "data parallelism", DataParallelConfig),
     ("model", "model", ModelConfig),
     ("precision", "mixed precision", PrecisionConfig),
+    ("recompute", "activation recomputation", RecomputeConfig),
     ("optim", "training", OptimConfig),
     ("data", "data", DataConfig),
     ("logging", "logging and output", LoggingConfig),
@@ -220,6 +256,7 @@ class Config:
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -328,6 +365,19 @@ class Config:
                               f"--initial-loss-scale {pr.initial_loss_scale}]")
         if pr.loss_scale_window < 1 or pr.hysteresis < 1:
             raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
+        rc = self.recompute
+        if rc.recompute_activations and rc.recompute_granularity not in (None, "selective"):
+            raise ConfigError(f"--recompute-activations (selective) contradicts "
+                              f"--recompute-granularity {rc.recompute_granularity}")
+        try:
+            check_recompute(rc.granularity(), rc.recompute_method, rc.recompute_num_layers,
+                            rc.distribute_saved_activations, par.sequence_parallel and tp > 1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name, value in (("--hidden-dropout", m.hidden_dropout),
+                            ("--attention-dropout", m.attention_dropout)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}")
         ck = self.checkpoint
         if ck.save_interval is not None and ck.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")

@@ -34,6 +34,7 @@ from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
 from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
+from ..tensor_parallel.random import model_parallel_seed
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
@@ -144,7 +145,13 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
         hidden_size=m.hidden_size, num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, seq_length=m.seq_length,
         ffn_hidden_size=m.ffn_hidden_size, sequence_parallel=config.parallel.sequence_parallel,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        attention_backend=m.attention_backend,
+        recompute_granularity=config.recompute.granularity(),
+        recompute_method=config.recompute.recompute_method,
+        recompute_num_layers=config.recompute.recompute_num_layers,
+        distribute_saved_activations=config.recompute.distribute_saved_activations)
 
 
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
@@ -223,6 +230,10 @@ def build_run(config: Config, hooks=()) -> Run:
     dataset = TextDataset(config.data.data_path or default_corpus(), config.model.seq_length)
     cfg = gpt_config(config, state, dataset.tokenizer.vocab_size)
     modules = build_model_chunks(config, plan, state, cfg, device)
+    # Dropout: the default generator alike over the tensor group, the tracked
+    # tensor-parallel state per tensor rank, both per stage (Megatron's
+    # seed + 100 x pipeline rank). After the model: its weights do not move.
+    model_parallel_seed(config.optim.seed + 100 * state.pp_rank, state, device.type)
     for h in hooks:
         h.on_model(modules, rank)
     chunks = wrap_data_parallel(config, modules, state)
