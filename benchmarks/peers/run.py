@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -524,6 +525,10 @@ def smoke(names, a) -> int:
     losses, port, t0 = {}, a.port, time.time()
     for stack, keys in by_stack.items():
         t = time.time()
+        if a.port == 0:  # a fixed port may be taken on a busy machine (CI)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
         ranks = launch("here", stack, [(stack, CONFIGS[k][2] + common) for k in keys], a, port,
                        f"smoke {stack}")
         port += 1
@@ -595,7 +600,9 @@ def main(argv=None, suite="peers", out=None):
                         "(spy_phases.py; 0: none)")
     p.add_argument("--out", default=out, help="results directory (default "
                    "benchmarks/results/<suite>)")
-    p.add_argument("--port", type=int, default=29810)
+    p.add_argument("--port", type=int, default=29810,
+                   help="first rendezvous port (one more per launch); --smoke with 0: a free "
+                        "loopback port for every launch")
     p.add_argument("--timeout", type=float, default=3600)
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

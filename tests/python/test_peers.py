@@ -24,7 +24,7 @@ def test_every_stack_trains_the_same_function():
         f"{peers.PEERS_PYTHON} is missing: run `make peers` (make test does it)")
     keys = list(peers.CONFIGS)
     proc = subprocess.run([sys.executable, RUN, "--smoke", "--configs", ",".join(keys),
-                           "--port", "29871"],
+                           "--port", "0"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     # Exit 1 is a loss mismatch (with the JSON report) or a stack that failed
