@@ -1,6 +1,9 @@
 // Operator registration: schemas in the `mapp` namespace and their CPU /
 // device-generic kernels. CUDA kernels register in cuda_ops.cc.
+#include "mapp/torch/ops.h"
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -9,8 +12,9 @@
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/compressed.h"
-#include "mapp/torch/ops.h"
 #include "mapp/tp/cross_entropy.h"
+#include "mapp/tp/dropout.h"
+#include "mapp/tp/softmax.h"
 
 namespace mapp::torch_ext {
 namespace {
@@ -32,12 +36,103 @@ at::Tensor vocab_ce_local_stats_cpu(const at::Tensor& logits, const at::Tensor& 
   at::Tensor stats = at::empty(shape, x.options());
   if (f64) {
     ::mapp::vocab_ce_local_stats(x.data_ptr<double>(), t.data_ptr<std::int64_t>(), rows, vocab,
-                         vocab_start, stats.data_ptr<double>());
+                                 vocab_start, stats.data_ptr<double>());
   } else {
     ::mapp::vocab_ce_local_stats(x.data_ptr<float>(), t.data_ptr<std::int64_t>(), rows, vocab,
-                         vocab_start, stats.data_ptr<float>());
+                                 vocab_start, stats.data_ptr<float>());
   }
   return stats;
+}
+
+// Dropout with the counter-based mask of mapp/tp/dropout.h: out = x * keep *
+// scale. float / double fused in one pass; other dtypes (bf16, fp16) multiply
+// by the generated mask. Threads split the range; the mask does not depend
+// on the split. Backward calls the same op on the gradient with the same seed.
+at::Tensor fused_dropout_cpu(const at::Tensor& self, double p, std::int64_t seed) {
+  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
+  const double scale = 65536.0 / (65536.0 - threshold);
+  const auto useed = static_cast<std::uint64_t>(seed);
+  at::Tensor x = self.contiguous();
+  const std::int64_t n = x.numel();
+  constexpr std::int64_t kGrain = 1 << 16;
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) {
+    at::Tensor out = at::empty_like(x);
+    const bool f64 = x.scalar_type() == at::kDouble;
+    at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
+      if (f64) {
+        const double* in = x.data_ptr<double>();
+        ::mapp::dropout_apply(useed, threshold, scale, begin, end, in + begin,
+                              out.data_ptr<double>() + begin);
+      } else {
+        const float* in = x.data_ptr<float>();
+        ::mapp::dropout_apply(useed, threshold, static_cast<float>(scale), begin, end, in + begin,
+                              out.data_ptr<float>() + begin);
+      }
+    });
+    return out;
+  }
+  MAPP_CHECK(at::isFloatingType(x.scalar_type()), "fused_dropout: expected a floating tensor, got ",
+             x.scalar_type());
+  at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
+    ::mapp::dropout_mask(useed, threshold, begin, end, mask.data_ptr<std::uint8_t>() + begin);
+  });
+  return x.mul(mask).mul_(scale);
+}
+
+// Scale + causal mask + softmax over the last dim of [..., q_len, cols]
+// scores, rows split over threads (mapp/tp/softmax.h). float / double run
+// natively; other dtypes in float, the result cast back.
+void check_softmax_input(const at::Tensor& x, const char* what) {
+  MAPP_CHECK(x.dim() >= 2, what, ": expected [..., queries, keys] scores, got ", x.sizes());
+  MAPP_CHECK(at::isFloatingType(x.scalar_type()), what, ": expected floating scores, got ",
+             x.scalar_type());
+}
+
+at::Tensor scaled_causal_softmax_cpu(const at::Tensor& self, double scale) {
+  check_softmax_input(self, "scaled_causal_softmax");
+  const bool f64 = self.scalar_type() == at::kDouble;
+  at::Tensor x = self.to(f64 ? at::kDouble : at::kFloat).contiguous();
+  at::Tensor y = at::empty_like(x);
+  const std::int64_t cols = x.size(-1), q_len = x.size(-2);
+  const std::int64_t rows = x.numel() / cols;
+  at::parallel_for(0, rows / q_len, 1, [&](std::int64_t begin, std::int64_t end) {
+    const std::int64_t r0 = begin * q_len, nr = (end - begin) * q_len;
+    if (f64) {
+      ::mapp::scaled_causal_softmax(x.data_ptr<double>() + r0 * cols, nr, cols, q_len, scale,
+                                    y.data_ptr<double>() + r0 * cols);
+    } else {
+      ::mapp::scaled_causal_softmax(x.data_ptr<float>() + r0 * cols, nr, cols, q_len,
+                                    static_cast<float>(scale), y.data_ptr<float>() + r0 * cols);
+    }
+  });
+  return y.scalar_type() == self.scalar_type() ? y : y.to(self.scalar_type());
+}
+
+at::Tensor scaled_causal_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& out,
+                                              double scale) {
+  check_softmax_input(out, "scaled_causal_softmax_backward");
+  MAPP_CHECK(grad.sizes() == out.sizes(), "scaled_causal_softmax_backward: gradient ", grad.sizes(),
+             " and output ", out.sizes(), " differ in shape");
+  const bool f64 = out.scalar_type() == at::kDouble;
+  const auto ft = f64 ? at::kDouble : at::kFloat;
+  at::Tensor y = out.to(ft).contiguous(), g = grad.to(ft).contiguous();
+  at::Tensor dx = at::empty_like(y);
+  const std::int64_t cols = y.size(-1), q_len = y.size(-2);
+  const std::int64_t rows = y.numel() / cols;
+  at::parallel_for(0, rows / q_len, 1, [&](std::int64_t begin, std::int64_t end) {
+    const std::int64_t r0 = begin * q_len, nr = (end - begin) * q_len;
+    if (f64) {
+      ::mapp::scaled_causal_softmax_backward(y.data_ptr<double>() + r0 * cols,
+                                             g.data_ptr<double>() + r0 * cols, nr, cols, q_len,
+                                             scale, dx.data_ptr<double>() + r0 * cols);
+    } else {
+      ::mapp::scaled_causal_softmax_backward(
+          y.data_ptr<float>() + r0 * cols, g.data_ptr<float>() + r0 * cols, nr, cols, q_len,
+          static_cast<float>(scale), dx.data_ptr<float>() + r0 * cols);
+    }
+  });
+  return dx.scalar_type() == out.scalar_type() ? dx : dx.to(out.scalar_type());
 }
 
 }  // namespace
@@ -45,9 +140,8 @@ at::Tensor vocab_ce_local_stats_cpu(const at::Tensor& logits, const at::Tensor& 
 void check_ce_shapes(const at::Tensor& logits, const at::Tensor& target) {
   MAPP_CHECK(logits.dim() >= 1, "vocab_ce_local_stats: logits must have a vocabulary dim");
   MAPP_CHECK(target.numel() * logits.size(-1) == logits.numel(),
-             "vocab_ce_local_stats: target has ", target.numel(),
-             " elements but logits ", logits.sizes(), " have ",
-             logits.size(-1) == 0 ? 0 : logits.numel() / logits.size(-1),
+             "vocab_ce_local_stats: target has ", target.numel(), " elements but logits ",
+             logits.sizes(), " have ", logits.size(-1) == 0 ? 0 : logits.numel() / logits.size(-1),
              " rows; target must have the shape of logits without the last dim");
   MAPP_CHECK(!at::isFloatingType(target.scalar_type()),
              "vocab_ce_local_stats: target must hold integer class ids, got ",
@@ -70,8 +164,8 @@ using Work = c10::intrusive_ptr<CommWork>;
 
 std::vector<std::int64_t> to_vec(const CommStats& s) { return {s.raw_bytes, s.sent_bytes}; }
 
-CompressedOptions options(const std::string& spec, std::vector<std::int64_t> layout,
-                          bool average, const std::string& group) {
+CompressedOptions options(const std::string& spec, std::vector<std::int64_t> layout, bool average,
+                          const std::string& group) {
   return CompressedOptions{Spec::parse(spec), std::move(layout), average, group};
 }
 
@@ -83,8 +177,7 @@ std::vector<std::int64_t> op_all_reduce(at::Tensor buf, const std::string& spec,
 }
 
 Work op_all_reduce_async(at::Tensor buf, const std::string& spec, std::vector<at::Tensor> state,
-                         std::vector<std::int64_t> layout, bool average,
-                         const std::string& group) {
+                         std::vector<std::int64_t> layout, bool average, const std::string& group) {
   return compressed_all_reduce_async(buf, options(spec, std::move(layout), average, group),
                                      std::move(state));
 }
@@ -95,9 +188,9 @@ at::Tensor op_reduce_scatter(const at::Tensor& buf, const std::string& spec,
   return compressed_reduce_scatter(buf, Spec::parse(spec), state, layout, average, group, nullptr);
 }
 
-Work op_reduce_scatter_async(at::Tensor buf, const std::string& spec,
-                             std::vector<at::Tensor> state, std::vector<std::int64_t> layout,
-                             at::Tensor out, bool average, const std::string& group) {
+Work op_reduce_scatter_async(at::Tensor buf, const std::string& spec, std::vector<at::Tensor> state,
+                             std::vector<std::int64_t> layout, at::Tensor out, bool average,
+                             const std::string& group) {
   return compressed_reduce_scatter_async(buf, out, options(spec, std::move(layout), average, group),
                                          std::move(state));
 }
@@ -120,9 +213,9 @@ std::vector<std::int64_t> op_state_shapes(const std::string& spec, std::int64_t 
   return flat;
 }
 
-std::vector<at::Tensor> op_codec_state(const std::string& spec, std::int64_t n,
-                                       std::int64_t world, std::vector<std::int64_t> layout,
-                                       std::int64_t seed, std::optional<at::Device> device) {
+std::vector<at::Tensor> op_codec_state(const std::string& spec, std::int64_t n, std::int64_t world,
+                                       std::vector<std::int64_t> layout, std::int64_t seed,
+                                       std::optional<at::Device> device) {
   return codec_state(Spec::parse(spec), n, world, layout, seed,
                      at::TensorOptions().device(device.value_or(at::kCPU)));
 }
@@ -136,8 +229,9 @@ at::Tensor op_encode(const at::Tensor& x, const std::string& spec, std::optional
   check_float_1d(x, "codec_encode");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   if (err) {
-    MAPP_CHECK(err->sizes() == x.sizes() && err->scalar_type() == at::kFloat && err->is_contiguous(),
-               "codec_encode: err must be a contiguous float32 tensor shaped like x");
+    MAPP_CHECK(
+        err->sizes() == x.sizes() && err->scalar_type() == at::kFloat && err->is_contiguous(),
+        "codec_encode: err must be a contiguous float32 tensor shaped like x");
   }
   return encode(s, xf, err ? &*err : nullptr);
 }
@@ -190,35 +284,42 @@ TORCH_LIBRARY(mapp, m) {
   m.def("shm_detach(str group_name) -> ()", &mapp::torch_ext::shm_detach);
   m.def("shm_attached(str group_name) -> bool", &mapp::torch_ext::shm_attached);
   m.def("vocab_ce_local_stats(Tensor logits, Tensor target, int vocab_start) -> Tensor");
+  m.def("fused_dropout(Tensor self, float p, int seed) -> Tensor");
+  m.def("scaled_causal_softmax(Tensor self, float scale) -> Tensor");
+  m.def("scaled_causal_softmax_backward(Tensor grad, Tensor out, float scale) -> Tensor");
 
   // Compressed collectives (compressed.h) and their asynchronous works (comm_engine.h).
   using mapp::torch_ext::CommWork;
   m.class_<CommWork>("CommWork")
       .def("wait", &mapp::torch_ext::work_wait, "", {torch::arg("timeout_ms") = -1})
       .def("is_completed", [](const c10::intrusive_ptr<CommWork>& w) { return w->is_completed(); })
-      .def("description",
-           [](const c10::intrusive_ptr<CommWork>& w) { return w->description(); });
+      .def("description", [](const c10::intrusive_ptr<CommWork>& w) { return w->description(); });
   m.def("codec_encode(Tensor x, str spec, Tensor? err=None) -> Tensor",
         &mapp::torch_ext::op_encode);
   m.def("codec_decode(Tensor payload, str spec, int n) -> Tensor", &mapp::torch_ext::op_decode);
   m.def("codec_state_shapes(str spec, int n, int world, int[] layout) -> int[]",
         &mapp::torch_ext::op_state_shapes);
-  m.def("codec_state(str spec, int numel, int world=1, int[] layout=[], int seed=0, "
-        "Device? device=None) -> Tensor[]",
-        &mapp::torch_ext::op_codec_state);
+  m.def(
+      "codec_state(str spec, int numel, int world=1, int[] layout=[], int seed=0, "
+      "Device? device=None) -> Tensor[]",
+      &mapp::torch_ext::op_codec_state);
   m.def("codec_padded_chunk(str spec, int n, int world) -> int", &mapp::torch_ext::op_padded_chunk);
-  m.def("compressed_all_reduce_(Tensor(a!) buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> int[]",
-        &mapp::torch_ext::op_all_reduce);
-  m.def("compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
-        &mapp::torch_ext::op_all_reduce_async);
-  m.def("compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "bool average, str group_name) -> Tensor",
-        &mapp::torch_ext::op_reduce_scatter);
-  m.def("compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
-        "Tensor out, bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
-        &mapp::torch_ext::op_reduce_scatter_async);
+  m.def(
+      "compressed_all_reduce_(Tensor(a!) buf, str spec, Tensor[] state, int[] layout, "
+      "bool average, str group_name) -> int[]",
+      &mapp::torch_ext::op_all_reduce);
+  m.def(
+      "compressed_all_reduce_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+      "bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
+      &mapp::torch_ext::op_all_reduce_async);
+  m.def(
+      "compressed_reduce_scatter(Tensor buf, str spec, Tensor[] state, int[] layout, "
+      "bool average, str group_name) -> Tensor",
+      &mapp::torch_ext::op_reduce_scatter);
+  m.def(
+      "compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
+      "Tensor out, bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
+      &mapp::torch_ext::op_reduce_scatter_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
         &mapp::torch_ext::work_wait);
 }
@@ -232,4 +333,7 @@ TORCH_LIBRARY_IMPL(mapp, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(mapp, CPU, m) {
   m.impl("vocab_ce_local_stats", &mapp::torch_ext::vocab_ce_local_stats_cpu_checked);
+  m.impl("fused_dropout", &mapp::torch_ext::fused_dropout_cpu);
+  m.impl("scaled_causal_softmax", &mapp::torch_ext::scaled_causal_softmax_cpu);
+  m.impl("scaled_causal_softmax_backward", &mapp::torch_ext::scaled_causal_softmax_backward_cpu);
 }

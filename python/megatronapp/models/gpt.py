@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..autograd import linear
+from ..fusions import scaled_causal_softmax
 from ..parallel_state import ParallelState
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -29,7 +30,7 @@ from ..tensor_parallel import (
     mappings,
     vocab_parallel_cross_entropy,
 )
-from ..tensor_parallel.random import checkpoint, get_rng_tracker
+from ..tensor_parallel.random import checkpoint, dropout, get_rng_tracker
 from ..tensor_parallel.utils import divide, resolve_state
 
 
@@ -116,9 +117,9 @@ def _dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.
     if not training or p == 0.0:
         return x
     if not sharded:
-        return F.dropout(x, p, True)
+        return dropout(x, p)
     with get_rng_tracker().fork():
-        return F.dropout(x, p, True)
+        return dropout(x, p)
 
 
 def _normal(std: float):
@@ -141,6 +142,7 @@ class ParallelAttention(nn.Module):
         self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout_p = cfg.attention_dropout
+        self.backend = cfg.attention_backend
         self.fused = cfg.attention_backend in ("auto", "flash", "fused")
         self.selective = cfg.recompute_granularity == "selective"
         sp = cfg.sequence_parallel
@@ -169,16 +171,16 @@ class ParallelAttention(nn.Module):
         recomputation recomputes. The heads are this rank's, so dropout
         draws from the tracked tensor-parallel state."""
         p = self.dropout_p if self.training else 0.0
-        if self.fused:
+        # auto: torch's fused attention, except on CPU with dropout, where it
+        # falls back to its math path with torch's slow Bernoulli: there the
+        # local path with the fused dropout kernel computes the same.
+        if self.fused and not (p > 0.0 and q.device.type == "cpu" and self.backend == "auto"):
             if p == 0.0:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             with get_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        s = q.shape[2]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-        scores = scores.masked_fill(causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2))  # its backward keeps q, k only
+        probs = scaled_causal_softmax(scores, 1.0 / math.sqrt(self.head_dim))
         probs = _dropout(probs, p, True, sharded=True)
         return torch.matmul(probs, v)
 

@@ -1,0 +1,112 @@
+"""Activation recomputation, measured (`make bench-recompute`): activation
+memory and step time of selective and full recomputation against none, in one
+run, as ratios.
+
+    python benchmarks/recompute.py [--iters 6] [--repeats 3]
+
+Setting: the paper's (Korthikanti et al. 2022) regime on CPU — 2 Gloo ranks,
+TP2 with sequence parallelism, dropout 0.1 on the hidden states and the
+attention probabilities (Megatron's defaults), and a shape whose 5as/h
+(attention scores against the rest of a layer's activations) is 80, GPT-3
+175B's: hidden 256, 8 heads, seq 512, micro-batch 2, and 8 layers (GPT-3
+175B has 12 per stage at pp = 8); fp32 (the ratios are per byte, the same in
+bf16).
+
+Activation memory: the pool's peak allocated bytes during one iteration's
+forward and backward, minus what was allocated before it (weights,
+gradients, optimizer state); rank 0. Step time: median over --iters timed
+iterations (after one warm-up) of each mode, the modes run round-robin
+--repeats times and the median of the repeats reported.
+
+Core attention runs as Megatron's local backend (scores, softmax, dropout as
+separate ops; dropout by our counter-based kernel, whose mask is regenerated
+in backward rather than kept) and through torch's
+scaled_dot_product_attention (``--attention-backend flash``; with dropout on
+CPU, torch takes its math path and keeps the [s, s] probabilities and mask).
+The peak includes the recomputation's own transient (one layer's attention
+recomputed at a time), which the paper's stored-activation count leaves out.
+
+Results: benchmarks/RESULTS.md ("Activation recomputation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "python"))
+from dist_harness import run_ranks  # noqa: E402  (spawns ranks, reports a dead one)
+
+MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "512", "--micro-batch-size", "2", "--global-batch-size", "2",
+         "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--no-progress", "--no-watchdog", "--log-interval", "1000", "--lr-warmup-iters", "1"]
+MODES = {
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full, uniform, 1 layer": ["--recompute-granularity", "full", "--recompute-method",
+                               "uniform", "--recompute-num-layers", "1"],
+    "full, block, 4 of 8 layers": ["--recompute-granularity", "full", "--recompute-method",
+                                   "block", "--recompute-num-layers", "4"],
+}
+BACKENDS = {"local (fused dropout kernel)": "local", "torch SDPA": "flash"}
+
+
+def _rank(rank, world, iters, repeats):
+    import megatronapp
+    from megatronapp import _C, memory
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, build_run, train_step
+    from megatronapp.training.step import _global_batch_loss
+
+    memory.use_pool("cpu")
+    out = {}
+    for _ in range(repeats):
+        for backend, name in BACKENDS.items():
+            for mode, flags in MODES.items():
+                args = build_parser().parse_args(
+                    MODEL + flags + ["--attention-backend", name, "--train-iters",
+                                     str(iters + 2), "--output-dir", "/tmp/mapp_recompute"])
+                run = build_run(Config.from_args(args))
+                train_step(run, 0)  # warm-up; the optimizer state exists after it
+                run.optimizer.zero_grad(set_to_none=True)
+                before = memory.stats()["allocated_bytes"]
+                _C.memory_cpu_reset_peak_stats()
+                _global_batch_loss(run, "train", 1, backward=True)
+                act = memory.stats()["peak_allocated_bytes"] - before
+                times = []
+                for it in range(2, iters + 2):
+                    t0 = time.perf_counter()
+                    train_step(run, it)
+                    times.append(time.perf_counter() - t0)
+                row = out.setdefault((backend, mode), {"act": act, "step": []})
+                row["step"].append(statistics.median(times))
+                megatronapp.destroy_model_parallel()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    rows = run_ranks(_rank, 2, a.iters, a.repeats, timeout=3600)[0]
+    print("| core attention | recomputation | activation MiB | vs none | step s | vs none |")
+    print("|---|---|---|---|---|---|")
+    for backend in BACKENDS:
+        base = rows[(backend, "none")]
+        base_step = statistics.median(base["step"])
+        for mode in MODES:
+            r = rows[(backend, mode)]
+            step = statistics.median(r["step"])
+            print(f"| {backend} | {mode} | {r['act'] / 2**20:.1f} | {r['act'] / base['act']:.2f}x "
+                  f"| {step:.3f} | {step / base_step:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

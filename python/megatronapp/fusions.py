@@ -1,0 +1,51 @@
+"""Fused kernels of the model's elementwise chains (Megatron's
+``core.fusions``): scale + causal mask + softmax of core attention.
+
+On CPU they run megatronapp's C++ kernels (``torch.ops.mapp.*``); elsewhere
+the same function composed of torch ops (a CUDA kernel is future work; the
+composite is what Megatron runs without its fused kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["scaled_causal_softmax"]
+
+
+def _composite(x: torch.Tensor, scale: float) -> torch.Tensor:
+    q_len, k_len = x.shape[-2], x.shape[-1]
+    masked = torch.ones(q_len, k_len, dtype=torch.bool, device=x.device).triu_(k_len - q_len + 1)
+    scores = (x.float() * scale).masked_fill_(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(x.dtype)
+
+
+class _ScaledCausalSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        if x.device.type == "cpu":
+            y = torch.ops.mapp.scaled_causal_softmax(x, scale)
+        else:
+            y = _composite(x, scale)
+        ctx.scale = scale
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        if y.device.type == "cpu":
+            return torch.ops.mapp.scaled_causal_softmax_backward(grad, y, ctx.scale), None
+        yf, gf = y.float(), grad.float()
+        dx = ctx.scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))
+        return dx.to(y.dtype), None
+
+
+def scaled_causal_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(scale * x)`` over the last dim with key positions after each
+    query masked (causal; queries aligned to the last keys), for scores
+    ``[..., queries, keys]``; computed in float32 at least, returned in x's
+    dtype. Keeps only its output for backward."""
+    if x.dim() < 2 or x.shape[-2] > x.shape[-1]:
+        raise ValueError(f"scaled_causal_softmax: expected [..., queries, keys] scores with "
+                         f"queries <= keys, got {tuple(x.shape)}")
+    return _ScaledCausalSoftmax.apply(x, float(scale))
