@@ -88,7 +88,8 @@ class _P2P:
         self.p, self.m = schedule.stages, schedule.microbatches
         self.shape, self.dtype, self.device = shape, dtype, device
         self.recvs: dict = {}
-        self.sends: list = []  # (work, tensor): the tensor lives until the send is done
+        # key -> (work, tensor): the tensor lives until the send is waited on
+        self.sends: dict = {}
         self.result: PipelineResult | None = None
 
     def tag(self, kind: int, mb: int, vstage: int) -> int:
@@ -113,6 +114,13 @@ class _P2P:
         t0 = time.monotonic_ns()
         work.wait()
         t1 = time.monotonic_ns()
+        if key[0] == 1:
+            # The gradient of microbatch mb came back: the next stage ran that
+            # microbatch's forward, so our activation send to it completed;
+            # release it now instead of holding every output until finish().
+            done = self.sends.pop((0, key[1], key[2] + 1), None)
+            if done is not None:
+                done[0].wait()
         self.result.recv_wait_time += (t1 - t0) / 1e9
         if self.trace:
             src = self.ranks[peer]
@@ -138,12 +146,12 @@ class _P2P:
             _trace.record("send", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1], peer=dst,
                           bytes=tensor.numel() * tensor.element_size(),
                           group=f"p2p:{self.me}->{dst}", seq=tag)
-        self.sends.append((work, tensor))
+        self.sends[key] = (work, tensor)
 
     def finish(self) -> None:
-        for work, _ in self.sends:
+        for work, _ in self.sends.values():
             work.wait()  # exactly once: a second wait on a Gloo send never returns
-        self.sends = []
+        self.sends = {}
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
 

@@ -58,7 +58,10 @@ def sharded_parameter(
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
     if partition_dim is not None:
-        full = full.chunk(state.tp_size, dim=partition_dim)[state.tp_rank].contiguous()
+        # clone, not contiguous(): a row slice is already contiguous, and a view
+        # would keep the whole tensor alive on every rank.
+        full = full.chunk(state.tp_size, dim=partition_dim)[state.tp_rank].clone(
+            memory_format=torch.contiguous_format)
     param = torch.nn.Parameter(full.to(dtype=dtype or torch.get_default_dtype(), device=device))
     if partition_dim is not None:
         set_tensor_model_parallel_attributes(param, partition_dim)

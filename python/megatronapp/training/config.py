@@ -132,7 +132,9 @@ class RecomputeConfig:
         False, "shorthand for --recompute-granularity selective")
     recompute_granularity: str | None = _flag(
         None, "selective: recompute core attention in backward; full: recompute whole layers "
-        "(with --recompute-method and --recompute-num-layers)", choices=("selective", "full"))
+        "(with --recompute-method and --recompute-num-layers); auto: the least recomputation "
+        "the memory planner finds fits --memory-limit-gb",
+        choices=("selective", "full", "auto"))
     recompute_method: str | None = _flag(
         None, "full: uniform recomputes groups of --recompute-num-layers layers from their "
         "input; block recomputes the first --recompute-num-layers layers of each stage",
@@ -216,6 +218,10 @@ class MemoryConfig:
         False, "serve tensor memory from megatronapp's caching pool; prints its summary")
     memory_pool_policy: str = _flag("ours", "allocation policy of the pool",
                                     choices=("ours", "torch-like"))
+    memory_limit_gb: float | None = _flag(
+        None, "memory per rank in GiB: the planner (python -m megatronapp.memory estimate) "
+        "checks the run fits before it starts, picks --recompute-granularity auto's "
+        "recomputation and the dynamic schedule's live-activation limit", metavar="X")
     record_alloc_trace: str | None = _flag(
         None, "record the CPU pool's allocation trace ('{rank}' in FILE is replaced; "
         "otherwise .rankN is appended when there are several ranks)", metavar="FILE")
@@ -369,11 +375,22 @@ class Config:
         if rc.recompute_activations and rc.recompute_granularity not in (None, "selective"):
             raise ConfigError(f"--recompute-activations (selective) contradicts "
                               f"--recompute-granularity {rc.recompute_granularity}")
-        try:
-            check_recompute(rc.granularity(), rc.recompute_method, rc.recompute_num_layers,
-                            rc.distribute_saved_activations, par.sequence_parallel and tp > 1)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        if rc.granularity() == "auto":
+            if self.memory.memory_limit_gb is None:
+                raise ConfigError("--recompute-granularity auto needs --memory-limit-gb X (the "
+                                  "memory per rank it plans for)")
+            if rc.recompute_method is not None or rc.recompute_num_layers is not None:
+                raise ConfigError("--recompute-granularity auto picks --recompute-method and "
+                                  "--recompute-num-layers itself; drop them")
+        else:
+            try:
+                check_recompute(rc.granularity(), rc.recompute_method, rc.recompute_num_layers,
+                                rc.distribute_saved_activations, par.sequence_parallel and tp > 1)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.memory.memory_limit_gb is not None and not self.memory.memory_limit_gb > 0:
+            raise ConfigError(f"--memory-limit-gb must be positive, got "
+                              f"{self.memory.memory_limit_gb}")
         for name, value in (("--hidden-dropout", m.hidden_dropout),
                             ("--attention-dropout", m.attention_dropout)):
             if not 0.0 <= value < 1.0:

@@ -39,6 +39,7 @@ from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
 __all__ = ["Run", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
+           "apply_memory_limit",
            "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "grad_scaler",
            "build_optimizer",
            "build_run"]
@@ -122,9 +123,57 @@ def check_config(config: Config) -> Plan:
             raise SystemExit("the ranks were started with different flags; every rank must get "
                              "the same command line: " + "; ".join(diffs))
     try:
-        return config.check(world)
+        plan = config.check(world)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    if config.memory.memory_limit_gb is not None:
+        apply_memory_limit(config, world, verbose=rank == 0)
+    return plan
+
+
+def apply_memory_limit(config: Config, world: int, verbose: bool = False) -> None:
+    """--memory-limit-gb, with the planner (:mod:`megatronapp.memory.plan`):
+    resolves --recompute-granularity auto into the least recomputation that
+    fits, gives the dynamic schedule its live-activation limit when none was
+    set, and stops (SystemExit) when the run cannot fit. No collective: every
+    rank decides the same."""
+    from ..memory import MemoryLimitError, estimate, plan_recompute
+
+    limit = int(config.memory.memory_limit_gb * 2**30)
+    rc = config.recompute
+    try:
+        if rc.granularity() == "auto":
+            gran, method, k, bd = plan_recompute(config.flat(), world, limit)
+            rc.recompute_activations, rc.recompute_granularity = False, gran
+            rc.recompute_method, rc.recompute_num_layers = method, k
+            if verbose:
+                print(f"[memory] --recompute-granularity auto: {bd.recompute}"
+                      f"{f' ({method}, {k} layers)' if method else ''}; planned peak "
+                      f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}) of "
+                      f"{config.memory.memory_limit_gb} GiB", flush=True)
+        bd = estimate(config, world)
+    except MemoryLimitError as e:
+        raise SystemExit(f"--memory-limit-gb {config.memory.memory_limit_gb}: {e}") from None
+    par = config.parallel
+    if (par.pipeline_schedule == "dynamic" and par.pipeline_memory_limit is None
+            and par.pipeline_model_parallel_size > 1):
+        per_unit = bd.activations_per_microbatch / (par.virtual_pipeline_model_parallel_size or 1)
+        room = limit - bd.static - bd.transient
+        if per_unit > 0 and room >= per_unit:
+            par.pipeline_memory_limit = int(room // per_unit)
+            bd = estimate(config, world)
+            if verbose:
+                print(f"[memory] dynamic schedule: at most {par.pipeline_memory_limit} live "
+                      "microbatch-chunks per stage", flush=True)
+    if bd.total > limit:
+        tp = par.tensor_model_parallel_size
+        raise SystemExit(
+            f"--memory-limit-gb {config.memory.memory_limit_gb}: needs "
+            f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}: static "
+            f"{bd.static / 2**30:.3f}, activations {bd.in_flight_activations / 2**30:.3f}, "
+            f"working set {bd.transient / 2**30:.3f}), limit "
+            f"{config.memory.memory_limit_gb} GiB; try --recompute-granularity full (or auto) "
+            f"or tp={2 * tp}")
 
 
 def build_parallel_state(config: Config, *, install: bool = False) -> ParallelState:

@@ -10,6 +10,10 @@ Policies: ``"ours"`` (default; expandable segments, exact splitting, see
 docs/memory.md) or ``"torch-like"`` (PyTorch's caching-allocator policy
 reproduced on the same machinery, for comparisons).
 
+Planning: ``estimate(config)`` (:mod:`megatronapp.memory.plan`) says what a
+run holds per rank before it runs; ``python -m megatronapp.memory estimate
+<pretrain flags> [--world-size N]`` prints it.
+
 CUDA: ``use_pool("cuda")`` installs the pool through
 ``torch.cuda.memory.CUDAPluggableAllocator``. It must run before the first CUDA
 allocation of the process (torch cannot swap an allocator in use), and
@@ -18,18 +22,20 @@ afterwards ``torch.cuda.memory_stats()`` is unavailable — use :func:`stats`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 
 import torch
 
-from . import _C
+from .. import _C
+from .plan import Breakdown, MemoryLimitError, estimate, plan_recompute
 
 __all__ = ["use_pool", "restore_default", "stats", "summary", "release_cached",
            "staging_buffer", "staging_stats",
-           "record_trace", "start_recording", "stop_recording", "replay", "is_installed"]
+           "record_trace", "start_recording", "stop_recording", "replay", "is_installed",
+           "reset_peak_stats", "estimate", "Breakdown", "plan_recompute", "MemoryLimitError"]
+
 
 
 def _library_path() -> str:
@@ -96,6 +102,14 @@ def stats(device: str = "cpu") -> dict:
     return json.loads(raw)
 
 
+def reset_peak_stats(device: str = "cpu") -> None:
+    """Peak allocated / active / reserved restart from the current values."""
+    if device == "cpu":
+        _C.memory_cpu_reset_peak_stats()
+    else:
+        _C.memory_cuda_reset_peak(torch.cuda.current_device())
+
+
 def summary(device: str = "cpu") -> str:
     if device == "cpu":
         return _C.memory_cpu_summary()
@@ -150,26 +164,3 @@ def replay(path: str, policy: str = "ours", *, expandable_segments: bool = True,
         raise ValueError(f"thread_cache_bytes must be >= 0 (0 turns it off), got {thread_cache_bytes}")
     return json.loads(_C.memory_replay(path, policy, expandable_segments, capacity_bytes,
                                        -1 if thread_cache_bytes is None else thread_cache_bytes))
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="megatronapp-memory",
-                                description="Replay allocation traces through pool policies.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("replay", help="compare policies on recorded traces")
-    r.add_argument("traces", nargs="+")
-    args = p.parse_args(argv)
-    policies = [("torch-like", True), ("ours", False), ("ours", True)]
-    print(f"{'trace':<28} {'policy':<12} {'ops':>9} {'peak alloc MiB':>15} "
-          f"{'peak reserved MiB':>18} {'utilization':>12} {'ns/op':>7}")
-    for path in args.traces:
-        for policy, exp in policies:
-            res = replay(path, policy, expandable_segments=exp)
-            print(f"{os.path.basename(path):<28} {res['policy']:<12} {res['operations']:>9} "
-                  f"{res['peak_allocated_bytes'] / 2**20:>15.1f} "
-                  f"{res['peak_reserved_bytes'] / 2**20:>18.1f} "
-                  f"{100 * res['utilization']:>11.1f}% {res['ns_per_op']:>7.0f}")
-
-
-if __name__ == "__main__":
-    main()

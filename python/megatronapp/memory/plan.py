@@ -1,0 +1,426 @@
+"""The memory planner: what one rank of a training run holds, before running
+it (``megatronapp.memory.estimate``, ``python -m megatronapp.memory estimate``).
+
+It reads the run's flags (a :class:`~megatronapp.training.Config`, the
+pretrain parser's namespace or a dict of flag names) and does not build or
+validate anything: callers check the configuration first (``Config.check``).
+
+Per rank, in bytes:
+
+* **parameters**, **gradients** (the DDP buckets: fp32 main gradients under
+  --bf16/--fp16; ZeRO-1's padded buckets plus its parameter buffer and
+  reduce-scatter shard), **optimizer** state (AdamW moments; fp32 master
+  weights under mixed precision or ZeRO-1; sharded over dp with
+  --use-distributed-optimizer), **communication** (codec error feedback and
+  state, per bucket), **data** (the token stream kept in memory);
+* **activations per microbatch** of each model chunk: the tensors autograd
+  keeps for backward, counted from this runtime's layers (what each op saves:
+  LayerNorm inputs, linear inputs — gathered under sequence parallelism —,
+  the fused QKV output, core attention's saved tensors for the backend,
+  MLP intermediates), reduced by selective or full recomputation;
+* **in-flight activations**: the schedule's own peak, walking the stage's
+  actions (F stores a microbatch's activations, B frees them; zero-bubble's
+  BI keeps what W still needs — every linear's input and output gradient —
+  until W) plus the working set of the backward step at that moment (one
+  layer's gradients, the recomputed region, the logits' cross-entropy);
+* **pool overhead**: the expected reserved-over-allocated of the caching pool
+  (its block rounding and fragmentation; docs/memory.md).
+
+``total`` (everything but the pool overhead) is what the pool reports as peak
+allocated bytes; tests/python/test_memory_plan.py checks it within 10% on
+every layout of its matrix, and benchmarks/RESULTS.md lists the comparison.
+Transformer shapes at scale (the 530B run) use the same formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Breakdown", "estimate", "plan_recompute", "MemoryLimitError"]
+
+_MiB = 2**20
+#: Expected pool overhead: reserved over peak allocated on the recorded GPT
+#: traces (docs/memory.md: 0.1-6.1% fragmentation; the upper end is planned).
+POOL_OVERHEAD = 0.06
+
+
+class MemoryLimitError(ValueError):
+    """Nothing fits under --memory-limit-gb; the message says what to try."""
+
+
+@dataclass
+class Breakdown:
+    """Bytes per rank (the worst pipeline stage unless a stage was asked for)."""
+
+    stage: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    communication: int
+    data: int
+    activations_per_microbatch: int  #: one microbatch through all of this stage's chunks
+    in_flight_activations: int  #: the schedule's peak of stored activations
+    peak_in_flight_microbatches: float  #: in units of one microbatch through the stage
+    transient: int  #: backward working set at that peak
+    pool_overhead: int
+    recompute: str = "none"
+    notes: list = field(default_factory=list)
+
+    @property
+    def static(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.communication + self.data
+
+    @property
+    def total(self) -> int:
+        """Peak allocated bytes (what the pool's peak_allocated_bytes measures)."""
+        return self.static + self.in_flight_activations + self.transient
+
+    @property
+    def reserved(self) -> int:
+        return self.total + self.pool_overhead
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(static=self.static, total=self.total, reserved=self.reserved)
+        return d
+
+    def table(self) -> str:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer), ("communication buffers", self.communication),
+                ("data", self.data),
+                ("activations / microbatch", self.activations_per_microbatch),
+                (f"in-flight activations (peak {self.peak_in_flight_microbatches:.2f} "
+                 f"microbatches)", self.in_flight_activations),
+                ("backward working set", self.transient),
+                ("total (peak allocated)", self.total),
+                (f"pool overhead (~{POOL_OVERHEAD:.0%})", self.pool_overhead),
+                ("reserved", self.reserved)]
+        out = [f"pipeline stage {self.stage}, recomputation {self.recompute}"]
+        out += [f"  {name:<45s} {b / _MiB:12.2f} MiB" for name, b in rows]
+        return "\n".join(out + [f"  note: {n}" for n in self.notes])
+
+
+# ---- shapes -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Shape:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    microbatches: int
+    b: int
+    s: int
+    h: int
+    a: int
+    f: int
+    vocab: int  #: padded
+    layers: list  #: layers per virtual stage
+    sp: bool
+    tied: bool
+    act: int  #: bytes of the model dtype
+    grad: int  #: bytes of a gradient-bucket element
+    mixed: bool
+    zero: bool
+    codec: str
+    attention_local: bool
+    attention_dropout: float
+    recompute: str | None
+    method: str | None
+    recompute_layers: int | None
+    distribute: bool
+    schedule: str
+    policy: str
+    memory_limit: int | None
+
+
+def _flags(config) -> dict:
+    """{flag name with underscores: value} of a Config, namespace or dict."""
+    if hasattr(config, "flat"):
+        return config.flat()
+    return dict(config) if isinstance(config, dict) else dict(vars(config))
+
+
+def _granularity(f: dict):
+    if f.get("recompute_activations") and f.get("recompute_granularity") is None:
+        return "selective"
+    return f.get("recompute_granularity")
+
+
+def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
+    from ..data import padded_vocab_size
+    from ..pipeline.layout import layer_layout, parse_layout
+
+    tp, pp = f["tensor_model_parallel_size"], f["pipeline_model_parallel_size"]
+    vpp = f.get("virtual_pipeline_model_parallel_size") or 1
+    dp = world_size // (tp * pp)
+    b = f["micro_batch_size"]
+    layout = layer_layout(f["num_layers"], pp, vpp, first=f.get("decoder_first_pipeline_num_layers"),
+                          last=f.get("decoder_last_pipeline_num_layers"),
+                          layout=parse_layout(f["pipeline_layer_layout"])
+                          if f.get("pipeline_layer_layout") else None)
+    if vocab_size is None:
+        vocab_size = 256  # the byte-level tokenizer
+    mixed = bool(f.get("bf16") or f.get("fp16"))
+    act = 2 if mixed else 4
+    backend = f.get("attention_backend", "auto")
+    on_cpu = f.get("distributed_backend", "auto") == "gloo" or (
+        f.get("distributed_backend", "auto") == "auto" and not _cuda_available())
+    dropout = f.get("attention_dropout", 0.0)
+    local = backend in ("unfused", "local") or (backend == "auto" and dropout > 0 and on_cpu)
+    h = f["hidden_size"]
+    return _Shape(
+        tp=tp, pp=pp, dp=dp, vpp=vpp, microbatches=f["global_batch_size"] // (b * dp),
+        b=b, s=f["seq_length"], h=h, a=f["num_attention_heads"],
+        f=f.get("ffn_hidden_size") or 4 * h,
+        vocab=padded_vocab_size(vocab_size, tp, f.get("make_vocab_size_divisible_by", 128)),
+        layers=list(layout), sp=bool(f.get("sequence_parallel")) and tp > 1,
+        tied=not f.get("untie_embeddings_and_output_weights"), act=act,
+        grad=4 if (mixed or f.get("accumulate_allreduce_grads_in_fp32")) else act, mixed=mixed,
+        zero=bool(f.get("use_distributed_optimizer")),
+        codec=f.get("grad_compression", "none"), attention_local=local,
+        attention_dropout=dropout, recompute=_granularity(f),
+        method=f.get("recompute_method"), recompute_layers=f.get("recompute_num_layers"),
+        distribute=bool(f.get("distribute_saved_activations")),
+        schedule=f.get("pipeline_schedule", "1f1b"),
+        policy=f.get("pipeline_dynamic_policy", "adaptive"),
+        memory_limit=f.get("pipeline_memory_limit"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---- parameters -------------------------------------------------------------------------
+
+
+def _layer_params(x: _Shape) -> tuple[int, int]:
+    """(tensor-parallel, replicated) parameter elements of one layer on a rank."""
+    h, f, t = x.h, x.f, x.tp
+    sharded = (3 * h * h + 3 * h) // t + h * h // t + (f * h + f) // t + h * f // t
+    replicated = 4 * h + h + h  # two LayerNorms, the row-parallel biases
+    return sharded, replicated
+
+
+def _chunk_params(x: _Shape, vs: int) -> list[tuple[int, bool]]:
+    """(elements, tensor-parallel) of each parameter group of virtual stage vs."""
+    n_vs = x.pp * x.vpp
+    first, last = vs == 0, vs == n_vs - 1
+    groups = []
+    sh, rep = _layer_params(x)
+    groups += [(sh * x.layers[vs], True), (rep * x.layers[vs], False)]
+    if first or (last and x.tied):
+        groups.append((x.vocab // x.tp * x.h, True))  # word embeddings (or the replica)
+    if first:
+        groups.append((x.s * x.h, False))  # positions
+    if last:
+        groups.append((2 * x.h, False))  # final LayerNorm
+        if not x.tied:
+            groups.append((x.vocab // x.tp * x.h, True))
+    return groups
+
+
+# ---- activations ------------------------------------------------------------------------
+
+
+def _layer_saved(x: _Shape, selective: bool) -> tuple[int, int]:
+    """(bytes autograd keeps for one layer and one microbatch, bytes of that
+    which zero-bubble's W still needs after BI: the linear inputs and output
+    gradients)."""
+    s, b, h, f, t, e = x.s, x.b, x.h, x.f, x.tp, x.act
+    sl = s // t if x.sp else s  # LayerNorm / residual region
+    heads = x.a // t
+    ln = 2 * sl * b * h * e + 4 * sl * b * 4  # two LayerNorm inputs, their mean/rstd (fp32)
+    lin_in = 2 * s * b * h * e  # QKV and fc1 inputs (gathered under sequence parallelism)
+    qkv = 3 * s * b * h // t * e  # kept by the core attention (q, k, v views)
+    ctx = s * b * h // t * e  # the projection's input
+    mlp = 2 * s * b * f // t * e  # fc1 output (GELU's input), GELU output (fc2's input)
+    core = 0
+    if not selective:
+        if x.attention_local:
+            probs = b * heads * s * s * e
+            core = probs * (2 if x.attention_dropout > 0 else 1)
+        else:
+            core = s * b * h // t * e + b * heads * s * 4  # SDPA's output and log-sum-exp
+    saved = ln + lin_in + qkv + ctx + mlp + core
+    # W keeps each linear's input and the gradient of its output.
+    # (The row-parallel layers' output gradient is the whole [s, b, h]: under
+    # sequence parallelism it is gathered before their backward.)
+    w_residual = (s * b * h * e + s * b * 3 * h // t * e) + (s * b * h // t * e + s * b * h * e) \
+        + (s * b * h * e + s * b * f // t * e) + (s * b * f // t * e + s * b * h * e)
+    return saved, w_residual
+
+
+def _layer_backward_working_set(x: _Shape) -> int:
+    """Gradients alive while one layer runs backward (the MLP's: the fc1/GELU
+    output gradients, 2 x s b f/t, and the residual stream's)."""
+    s, b, h, f, t, e = x.s, x.b, x.h, x.f, x.tp, x.act
+    sl = s // t if x.sp else s
+    ws = 2 * s * b * f // t * e + 2 * sl * b * h * e + s * b * h * e
+    if x.attention_local:
+        ws = max(ws, 2 * b * (x.a // t) * s * s * e + s * b * 3 * h // t * e)
+    return ws
+
+
+def _chunk_activations(x: _Shape, vs: int) -> dict:
+    """Bytes one microbatch keeps through virtual stage vs, its W residual,
+    and the backward working set of the stage."""
+    n_vs = x.pp * x.vpp
+    first, last = vs == 0, vs == n_vs - 1
+    s, b, h, t, e = x.s, x.b, x.h, x.tp, x.act
+    sl = s // t if x.sp else s
+    n = x.layers[vs]
+    full, w_res = _layer_saved(x, selective=x.recompute == "selective")
+    layer_in = sl * b * h * e // (t if x.distribute else 1)
+    ws = _layer_backward_working_set(x)
+    if x.recompute == "full":
+        k = x.recompute_layers
+        # One group is recomputed at a time; its activations are freed as its
+        # backward proceeds, so they, not the gradients, set the working set.
+        if x.method == "uniform":
+            groups = -(-n // k)
+            stored = groups * layer_in
+            ws = max(ws, min(k, n) * full + s * b * h * e)
+        else:
+            kept = max(0, n - k)
+            stored = min(k, n) * layer_in + kept * full
+            ws = max(ws, full + s * b * h * e)
+        w_total = n * w_res
+    else:
+        stored = n * full
+        w_total = n * w_res
+        # selective: the recomputed attention lives only inside its layer's
+        # backward, within the attention working set counted above.
+    if last:
+        logits = s * b * x.vocab // t * 4  # fp32 logits kept by the cross-entropy
+        stored += sl * b * h * e + s * b * h * e + logits + (logits // 2 if x.act == 2 else 0)
+        # The output layer's W keeps its input and the logits' gradient.
+        w_total += s * b * h * e + s * b * x.vocab // t * e
+        # cross-entropy backward: the shifted logits, softmax, one-hot, their difference
+        ws = max(ws, 4 * logits + s * b * h * e)
+    else:
+        stored += sl * b * h * e  # the stage output the executor keeps for backward
+    if first:
+        stored += 2 * b * s * 8  # token ids, labels
+    # recv: the input arrives from the previous stage; grad_in: the output's
+    # gradient arrives from the next one.
+    return {"stored": stored, "w": w_total, "ws": ws, "recv": not first, "grad_in": not last}
+
+
+def _schedule_peak(x: _Shape, stage: int, acts: list) -> tuple[int, float, int]:
+    """Walks the stage's actions: (peak stored bytes + working set at it,
+    peak in microbatch units, the working set)."""
+    from ..pipeline import make_schedule
+
+    if x.pp == 1:
+        c = acts[0]
+        return c["stored"], 1.0, c["ws"]
+    sched = make_schedule(x.schedule, x.pp, x.microbatches, x.vpp, policy=x.policy,
+                          memory_limit=x.memory_limit)
+    sched = getattr(sched, "schedule", sched)  # adaptive: its current plan
+    # Besides what autograd keeps: a posted receive's buffer lives from RECV
+    # to its F/B, and a sent input gradient until the step ends (the executor
+    # waits for gradient sends in finish(); activation sends are released
+    # when their gradient comes back, and their tensor is the stored output).
+    msg = (x.s // x.tp if x.sp else x.s) * x.b * x.h * x.act
+    live, peak, at_peak_ws = 0, 0, 0
+    for a in sched.actions(stage):
+        c = acts[a.chunk]
+        if a.type in ("RECV_ACT", "RECV_GRAD", "SEND_GRAD"):
+            live += msg
+        elif a.type == "F":
+            live += c["stored"] - (msg if c["recv"] else 0)
+            if live > peak:
+                peak, at_peak_ws = live, c["ws"]
+        elif a.type in ("B", "BI"):
+            if live + c["ws"] > peak + at_peak_ws:
+                peak, at_peak_ws = live, c["ws"]
+            live -= msg if c["grad_in"] else 0
+            live += (c["w"] if a.type == "BI" else 0) - c["stored"]
+        elif a.type == "W":
+            live -= c["w"]
+    per_mb = sum(c["stored"] for c in acts)
+    return peak, peak / per_mb if per_mb else 0.0, at_peak_ws
+
+
+def _stage(x: _Shape, stage: int, data_bytes: int) -> Breakdown:
+    vss = [c * x.pp + stage for c in range(x.vpp)]
+    groups = [g for vs in vss for g in _chunk_params(x, vs)]
+    n_params = sum(n for n, _ in groups)
+    params = n_params * x.act
+    grads = n_params * x.grad
+    comm = 0
+    if x.codec != "none":
+        import torch
+
+        from .. import _C  # noqa: F401  (registers torch.ops.mapp)
+
+        lossy = sum(n for n, tp_sharded in groups if tp_sharded or x.tp == 1)
+        shapes = torch.ops.mapp.codec_state_shapes(x.codec, lossy, x.dp, [])
+        comm = 4 * sum(int(v) for v in shapes)
+    if x.zero:
+        shard = -(-n_params // x.dp)
+        grads = shard * x.dp * x.grad + shard * 4  # padded buckets, the reduce-scatter shard
+        optimizer = shard * (4 + 8)  # fp32 master + Adam moments, this rank's part
+    else:
+        optimizer = n_params * (8 + (4 if x.mixed else 0))
+    acts = [_chunk_activations(x, vs) for vs in vss]
+    in_flight, units, ws = _schedule_peak(x, stage, acts)
+    bd = Breakdown(stage=stage, parameters=params, gradients=grads, optimizer=optimizer,
+                   communication=comm, data=data_bytes,
+                   activations_per_microbatch=sum(c["stored"] for c in acts),
+                   in_flight_activations=in_flight, peak_in_flight_microbatches=units,
+                   transient=ws, pool_overhead=0, recompute=x.recompute or "none")
+    bd.pool_overhead = int(bd.total * POOL_OVERHEAD)
+    return bd
+
+
+def estimate(config, world_size: int | None = None, *, stage: int | None = None,
+             vocab_size: int | None = None, data_bytes: int | None = None) -> Breakdown:
+    """Per-rank memory of the run `config` (a :class:`~megatronapp.training.Config`,
+    the pretrain flags' namespace or a dict of them; valid: check it first) on
+    `world_size` ranks (default tp x pp): the worst pipeline stage, or
+    `stage`. `vocab_size` before padding (default: the byte-level
+    tokenizer's 256); `data_bytes` the resident token stream (default: from
+    --data-path or the bundled corpus)."""
+    f = _flags(config)
+    if world_size is None:
+        world_size = f["tensor_model_parallel_size"] * f["pipeline_model_parallel_size"]
+    x = _shape(f, world_size, vocab_size)
+    if data_bytes is None:
+        from ..data import default_corpus
+
+        data_bytes = 8 * os.path.getsize(f.get("data_path") or default_corpus())
+    stages = range(x.pp) if stage is None else [stage]
+    return max((_stage(x, st, data_bytes) for st in stages), key=lambda bd: bd.total)
+
+
+def plan_recompute(config, world_size: int, limit_bytes: int, **kw):
+    """--recompute-granularity auto: the least recomputation that fits
+    `limit_bytes` per rank, in order none, selective, full block with 1..L
+    layers per stage, full uniform with 1 layer per group. Returns
+    (granularity, method, num_layers, Breakdown); raises MemoryLimitError."""
+    f = _flags(config)
+    layers = max(_shape(f, world_size, kw.get("vocab_size")).layers)
+    tries = [(None, None, None), ("selective", None, None)]
+    tries += [("full", "block", k) for k in range(1, layers + 1)]
+    tries += [("full", "uniform", 1)]
+    best = None
+    for gran, method, k in tries:
+        trial = dict(f, recompute_activations=False, recompute_granularity=gran,
+                     recompute_method=method, recompute_num_layers=k)
+        bd = estimate(trial, world_size, **kw)
+        best = bd if best is None or bd.total < best.total else best
+        if bd.total <= limit_bytes:
+            return gran, method, k, bd
+    tp = f["tensor_model_parallel_size"]
+    raise MemoryLimitError(
+        f"needs {best.total / 2**30:.3f} GiB per rank even with the most recomputation "
+        f"({best.recompute}), limit {limit_bytes / 2**30:.3f} GiB; try more tensor or "
+        f"pipeline parallelism (tp={2 * tp}, or a larger --pipeline-model-parallel-size), "
+        f"--use-distributed-optimizer, --bf16, or a smaller --micro-batch-size")
