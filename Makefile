@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-precision bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -140,6 +140,14 @@ bench-step: build peers
 # Mixed precision: bf16 vs fp32 quality (200 steps, 2 layouts) and bytes per parameter.
 bench-precision: build
 	$(PY) benchmarks/precision.py --iters 200
+
+# Activation recomputation: activation memory and step time per mode, ratios to none.
+bench-recompute: build
+	$(PY) benchmarks/recompute.py --iters 6 --repeats 3
+
+# The memory planner's estimate against the pool's measured peak, per layout and stage.
+bench-memory-plan: build
+	$(PY) benchmarks/memory_plan.py
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
 bench-scale: build

@@ -65,6 +65,22 @@ def main():
                    f"{r['aggregate_pflops']:.0f} PFLOP/s ({r['tflops_per_gpu']:.0f}/GPU), "
                    f"{r['iteration_s']:.0f} s/iter | {100 * (r['aggregate_pflops'] / 502 - 1):+.1f}% |")
     out.append("")
+    out.append("### Recomputation: MT-NLG 530B on 2,240 A100 (Korthikanti et al. 2022)\n")
+    full = dc.replace(sm.MT_NLG_530B_2240, recompute=True, sequence_parallel=False)
+    useful = 0.421 * hw.peak_flops / 1e12
+    hw530 = sm.calibrate(full, sm.A100_SELENE, useful * full.model_flops() / full.useful_flops())
+    out.append(f"Calibrated on the full-recomputation run (42.1% model FLOPs utilization, same "
+               f"paper and software): matmul efficiency {hw530.gemm_efficiency:.3f}.\n")
+    out.append("| recomputation | published MFU | predicted MFU | predicted HFU | s/iter | error |")
+    out.append("|---|---|---|---|---|---|")
+    for label, job, pub in (("full (fit)", full, 0.421),
+                            ("selective + sequence parallel (held out)", sm.MT_NLG_530B_2240,
+                             0.542)):
+        r = sm.predict(job, hw530)
+        out.append(f"| {label} | {100 * pub:.1f}% | {100 * r['model_flops_utilization']:.1f}% | "
+                   f"{100 * r['hardware_flops_utilization']:.1f}% | {r['iteration_s']:.1f} | "
+                   f"{100 * (r['model_flops_utilization'] / pub - 1):+.1f}% |")
+    out.append("")
     out.append("### Predicted strong scaling by data parallelism (same global batch)\n")
     out.append("Megatron = its best schedule here (interleaved 1F1B with v=2 where the microbatch count "
                "allows, else 1F1B), bf16 gradients, "

@@ -73,7 +73,10 @@ class Job:
     vpp: int = 1  #: model chunks per stage (interleaved)
     schedule: str = "1f1b"  #: 1f1b (interleaved when vpp > 1), zero-bubble, gpipe, dynamic
     memory_limit: int | None = None  #: dynamic: live (microbatch x chunk) activations per stage
-    recompute: bool = True  #: full activation recomputation
+    #: activation recomputation: True or "full" (whole layers), "selective"
+    #: (core attention only), False or None (none)
+    recompute: bool | str | None = True
+    sequence_parallel: bool = False  #: element-wise work sharded over the tensor group
     act_bytes: int = 2  #: activations / TP and PP messages (bf16)
     grad_bytes: float = 2.0  #: bytes per gradient element on the data-parallel wire
     overlap_dp: bool = False  #: reduce gradients during the last backward passes
@@ -95,13 +98,36 @@ class Job:
         h, f, n, v = self.hidden_size, self.ffn, self.num_layers, self.vocab_size
         return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
 
+    @property
+    def recompute_granularity(self) -> str | None:
+        if self.recompute is True or self.recompute == "full":
+            return "full"
+        if self.recompute == "selective":
+            return "selective"
+        if self.recompute in (False, None):
+            return None
+        raise ValueError(f"Job.recompute must be True/'full', 'selective' or False/None, "
+                         f"got {self.recompute!r}")
+
     def model_flops(self) -> float:
-        """Megatron's FLOPs per iteration (Narayanan et al. 2021, eq. 3): with
-        recomputation 96 B s l h^2 (1 + s/6h + V/16lh); without, 72 (...)."""
-        b, s, n, h, v = self.global_batch_size, self.seq_length, self.num_layers, \
-            self.hidden_size, self.vocab_size
-        k = 96 if self.recompute else 72
-        return k * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+        """Megatron's FLOPs per iteration as executed (Narayanan et al. 2021,
+        eq. 3): with full recomputation 96 B s l h^2 (1 + s/6h + V/16lh);
+        without, 72 B s l h^2 (1 + s/6h + V/12lh); selective adds the
+        recomputed attention scores and values, 4 B s^2 h per layer."""
+        b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
+        gran = self.recompute_granularity
+        if gran == "full":
+            return 96 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (16 * n * h))
+        extra = 4 * b * s * s * h * n if gran == "selective" else 0.0
+        return self.useful_flops() + extra
+
+    def useful_flops(self) -> float:
+        """The model's FLOPs per iteration without any recomputation, 72 B s l
+        h^2 (1 + s/6h + V/12lh): the numerator of model FLOPs utilization
+        (Korthikanti et al. 2022's MFU; hardware FLOPs utilization uses
+        :meth:`model_flops`)."""
+        b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
+        return 72 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (12 * n * h))
 
 
 def _ring_all_reduce(nbytes, n, bw, lat):
@@ -121,15 +147,23 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     rate = hw.peak_flops * hw.gemm_efficiency
     weight_flops = 2 * b * s * (4 * h * h + 2 * h * f) / t
     attn_flops = 4 * b * s * s * h / t
-    act = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t  # bytes stored per layer
-    mem = hw.memory_passes * act / hw.hbm_bandwidth
+    # Element-wise bytes per layer (Korthikanti et al. 2022, 16-bit): the
+    # LayerNorm/dropout/residual part is sharded over t with sequence
+    # parallelism; 5 a s^2 b / t is core attention (softmax, dropout).
+    scale = job.act_bytes / 2
+    dense = s * b * h * (34 / t if job.sequence_parallel else 10 + 24 / t) * scale
+    core = 5 * a * s * s * b / t * scale
+    mem = hw.memory_passes * (dense + core) / hw.hbm_bandwidth
     tp_ar = _ring_all_reduce(s * b * h * job.act_bytes, t, hw.intra_bus_bandwidth,
                              hw.intra_latency)
     fwd_layer = (weight_flops + attn_flops) / rate + mem + 2 * tp_ar
     bi_layer = (weight_flops + 2 * attn_flops) / rate + 2 * mem + 2 * tp_ar
     w_layer = weight_flops / rate
-    if job.recompute:
+    gran = job.recompute_granularity
+    if gran == "full":
         bi_layer += fwd_layer
+    elif gran == "selective":  # core attention again: its matmuls and element-wise passes
+        bi_layer += attn_flops / rate + hw.memory_passes * core / hw.hbm_bandwidth
     head_f = 2 * b * s * h * job.vocab_size / t / rate
     msg = s * b * h * job.act_bytes / t
     # Megatron's rank order (tp fastest, then dp, then pp): consecutive stages are
@@ -178,7 +212,9 @@ def predict(job: Job, hw: Hardware) -> dict:
     total = sim.makespan + exposed_dp + opt
     flops = job.model_flops()
     per_gpu = flops / total / job.gpus
-    return {"iteration_s": total, "pipeline_s": sim.makespan, "bubble_fraction": sim.bubble_fraction,
+    useful = job.useful_flops() / total / job.gpus
+    return {"model_flops_utilization": useful / hw.peak_flops,
+            "hardware_flops_utilization": per_gpu / hw.peak_flops,"iteration_s": total, "pipeline_s": sim.makespan, "bubble_fraction": sim.bubble_fraction,
             "dp_s": dp_time, "dp_exposed_s": exposed_dp, "optimizer_s": opt,
             "tflops_per_gpu": per_gpu / 1e12, "aggregate_pflops": flops / total / 1e15,
             "mfu": per_gpu / hw.peak_flops, "schedule": sched.name,
@@ -220,6 +256,12 @@ GPT3_175B_1024 = Job(num_layers=96, hidden_size=12288, num_attention_heads=96, s
                      vocab_size=51200, tp=8, pp=16, dp=8, global_batch_size=1536)
 GPT_1T_3072 = Job(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048,
                   vocab_size=51200, tp=8, pp=64, dp=6, global_batch_size=3072)
+#: MT-NLG 530B on 2,240 A100 (Korthikanti et al. 2022, Table 5): 54.2% model
+#: FLOPs utilization with selective recomputation and sequence parallelism,
+#: 42.1% with full recomputation.
+MT_NLG_530B_2240 = Job(num_layers=105, hidden_size=20480, num_attention_heads=128,
+                       seq_length=2048, vocab_size=51200, tp=8, pp=35, dp=8,
+                       global_batch_size=2240, recompute="selective", sequence_parallel=True)
 
 
 def gpus_for(job: Job, gpus: int) -> Job:

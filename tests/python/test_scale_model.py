@@ -19,8 +19,13 @@ def test_model_flops_match_the_published_iteration_time():
     # GPT-3 175B, batch 1536 on 1,024 A100 at 138 TFLOP/s: about 32 s per iteration.
     job = sm.GPT3_175B_1024
     assert job.model_flops() / (1024 * 138e12) == pytest.approx(32.0, rel=0.02)
-    assert job.model_flops() == pytest.approx(
-        dc.replace(job, recompute=False).model_flops() * 4 / 3)
+    # Without recomputation: 72 B s l h^2 (1 + s/6h + V/12lh); the output layer
+    # (6 B s h V) is never recomputed, so only the layers' part scales by 4/3.
+    b, s, n, h, v = 1536, 2048, 96, 12288, 51200
+    no_rc = dc.replace(job, recompute=False).model_flops()
+    assert no_rc == pytest.approx(72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)))
+    assert job.model_flops() - 6 * b * s * h * v == pytest.approx(
+        (no_rc - 6 * b * s * h * v) * 4 / 3)
     assert job.parameters() == pytest.approx(175e9, rel=0.01)
 
 
@@ -75,3 +80,40 @@ def test_bad_jobs_are_rejected():
         sm.predict(dc.replace(SMALL, global_batch_size=63), IDEAL)
     with pytest.raises(ValueError, match="multiple of tp x pp"):
         sm.gpus_for(SMALL, 12)
+
+
+def test_selective_recompute_reproduces_the_530b_run():
+    """Calibrated on MT-NLG 530B with full recomputation (42.1% MFU on 2,240
+    A100, Korthikanti et al. 2022), the model predicts the same run with
+    selective recomputation and sequence parallelism: published 54.2%."""
+    full = dc.replace(sm.MT_NLG_530B_2240, recompute=True, sequence_parallel=False)
+    measured = 0.421 * sm.A100_SELENE.peak_flops / 1e12  # useful TFLOP/s per GPU
+    hw = sm.calibrate(full, sm.A100_SELENE, measured * full.model_flops() / full.useful_flops())
+    assert sm.predict(full, hw)["model_flops_utilization"] == pytest.approx(0.421, rel=1e-3)
+    got = sm.predict(sm.MT_NLG_530B_2240, hw)
+    assert got["model_flops_utilization"] == pytest.approx(0.542, rel=0.10)
+    # selective: the hardware does almost no more work than the model needs
+    assert got["hardware_flops_utilization"] < 1.02 * got["model_flops_utilization"]
+
+
+def test_selective_adds_core_attention_to_backward_and_precision_scales_memory():
+    st = {g: sm.stage_times(dc.replace(SMALL, recompute=g), IDEAL)
+          for g in (None, "selective", "full")}
+    b, s, h, t = 1, 1024, 1024, 2
+    layers = SMALL.num_layers / SMALL.pp
+    attn = 4 * b * s * s * h / t / 50e12
+    assert st["selective"]["backward_input"] - st[None]["backward_input"] == pytest.approx(
+        layers * attn)
+    assert st["full"]["backward_input"] - st[None]["backward_input"] == pytest.approx(
+        st[None]["forward"])
+    assert SMALL.model_flops() == SMALL.useful_flops()
+    sel = dc.replace(SMALL, recompute="selective")
+    assert sel.model_flops() - sel.useful_flops() == pytest.approx(
+        4 * SMALL.global_batch_size * s * s * h * SMALL.num_layers)
+    slow_mem = dc.replace(IDEAL, hbm_bandwidth=1e12, memory_passes=2.0)
+    f16 = sm.stage_times(SMALL, slow_mem)["forward"] - sm.stage_times(SMALL, IDEAL)["forward"]
+    f32 = (sm.stage_times(dc.replace(SMALL, act_bytes=4), slow_mem)["forward"]
+           - sm.stage_times(dc.replace(SMALL, act_bytes=4), IDEAL)["forward"])
+    assert f32 == pytest.approx(2 * f16)
+    with pytest.raises(ValueError, match="recompute must be"):
+        dc.replace(SMALL, recompute="sometimes").model_flops()
