@@ -17,8 +17,9 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests", "python"))
-from dist_harness import run_ranks  # noqa: E402
 from test_memory_plan import MATRIX, MODEL, _measure  # noqa: E402  (one matrix, one method)
+
+from dist_harness import run_ranks  # noqa: E402
 
 
 def main() -> None:
