@@ -214,9 +214,11 @@ def predict(job: Job, hw: Hardware) -> dict:
     per_gpu = flops / total / job.gpus
     useful = job.useful_flops() / total / job.gpus
     return {"model_flops_utilization": useful / hw.peak_flops,
-            "hardware_flops_utilization": per_gpu / hw.peak_flops,"iteration_s": total, "pipeline_s": sim.makespan, "bubble_fraction": sim.bubble_fraction,
+            "hardware_flops_utilization": per_gpu / hw.peak_flops,
+            "iteration_s": total, "pipeline_s": sim.makespan, "bubble_fraction": sim.bubble_fraction,
             "dp_s": dp_time, "dp_exposed_s": exposed_dp, "optimizer_s": opt,
             "tflops_per_gpu": per_gpu / 1e12, "aggregate_pflops": flops / total / 1e15,
+            # hardware FLOPs over peak (with recomputation counted), as before
             "mfu": per_gpu / hw.peak_flops, "schedule": sched.name,
             # live activations at the peak, in layers' worth of one microbatch
             "peak_activation_layers": max(sim.peak_activations) * job.num_layers / (p * v),
