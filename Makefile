@@ -156,6 +156,7 @@ bench-scale: build
 # On a CUDA machine: single-GPU MFU of a ~1.4B GPT in bf16, ours vs plain PyTorch.
 bench-mfu: build
 	$(PY) benchmarks/e2e/mfu_gpu.py
+	$(PY) benchmarks/e2e/precision_gpu.py
 
 # libFuzzer (clang, ASan + UBSan) on the schedule and allocation-trace parsers.
 fuzz:
@@ -175,6 +176,7 @@ gpu-check: build
 	$(PY) benchmarks/codecs_gpu.py
 	$(PY) benchmarks/memory_gpu.py
 	$(PY) benchmarks/e2e/mfu_gpu.py
+	$(PY) benchmarks/e2e/precision_gpu.py
 
 clean:
 	rm -rf build runs

@@ -12,11 +12,21 @@ import torch
 __all__ = ["scaled_causal_softmax"]
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 at least (half-precision scores are promoted)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _composite(x: torch.Tensor, scale: float) -> torch.Tensor:
     q_len, k_len = x.shape[-2], x.shape[-1]
     masked = torch.ones(q_len, k_len, dtype=torch.bool, device=x.device).triu_(k_len - q_len + 1)
-    scores = (x.float() * scale).masked_fill_(masked, float("-inf"))
+    scores = (x.to(_compute_dtype(x)) * scale).masked_fill_(masked, float("-inf"))
     return torch.softmax(scores, dim=-1).to(x.dtype)
+
+
+def _composite_backward(y: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
+    yf, gf = y.to(_compute_dtype(y)), grad.to(_compute_dtype(y))
+    return (scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
 
 
 class _ScaledCausalSoftmax(torch.autograd.Function):
@@ -35,9 +45,7 @@ class _ScaledCausalSoftmax(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         if y.device.type == "cpu":
             return torch.ops.mapp.scaled_causal_softmax_backward(grad, y, ctx.scale), None
-        yf, gf = y.float(), grad.float()
-        dx = ctx.scale * yf * (gf - (gf * yf).sum(-1, keepdim=True))
-        return dx.to(y.dtype), None
+        return _composite_backward(y, grad, ctx.scale), None
 
 
 def scaled_causal_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -42,6 +42,20 @@ def test_scaled_causal_softmax_matches_float64(shape):
         scaled_causal_softmax(torch.zeros(4, 3), 1.0)
 
 
+def test_the_cuda_composite_path_matches_the_kernel():
+    """What runs on CUDA (torch ops) against the CPU kernel, on CPU tensors."""
+    from megatronapp.fusions import _composite, _composite_backward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 9, 12, generator=g, dtype=torch.float64)
+    y = torch.ops.mapp.scaled_causal_softmax(x, 0.3)
+    torch.testing.assert_close(_composite(x, 0.3), y, rtol=1e-12, atol=1e-14)
+    dy = torch.randn(2, 3, 9, 12, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(_composite_backward(y, dy, 0.3),
+                               torch.ops.mapp.scaled_causal_softmax_backward(dy, y, 0.3),
+                               rtol=1e-12, atol=1e-14)
+
+
 def test_fused_dropout_rate_determinism_and_gradient():
     from megatronapp.tensor_parallel.random import dropout
 

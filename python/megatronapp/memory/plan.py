@@ -15,7 +15,7 @@ Per rank, in bytes:
   state, per bucket), **data** (the token stream kept in memory);
 * **activations per microbatch** of each model chunk: the tensors autograd
   keeps for backward, counted from this runtime's layers (what each op saves:
-  LayerNorm inputs, linear inputs — gathered under sequence parallelism —,
+  LayerNorm inputs, linear inputs — sharded under sequence parallelism —,
   the fused QKV output, core attention's saved tensors for the backend,
   MLP intermediates), reduced by selective or full recomputation;
 * **in-flight activations**: the schedule's own peak, walking the stage's
@@ -236,7 +236,9 @@ def _layer_saved(x: _Shape, selective: bool) -> tuple[int, int]:
     sl = s // t if x.sp else s  # LayerNorm / residual region
     heads = x.a // t
     ln = 2 * sl * b * h * e + 4 * sl * b * 4  # two LayerNorm inputs, their mean/rstd (fp32)
-    lin_in = 2 * s * b * h * e  # QKV and fc1 inputs (gathered under sequence parallelism)
+    # QKV and fc1 inputs: under sequence parallelism their sequence shard, gathered
+    # again in backward (tensor_parallel.layers._SequenceParallelLinear)
+    lin_in = 2 * sl * b * h * e
     qkv = 3 * s * b * h // t * e  # kept by the core attention (q, k, v views)
     ctx = s * b * h // t * e  # the projection's input
     mlp = 2 * s * b * f // t * e  # fc1 output (GELU's input), GELU output (fc2's input)

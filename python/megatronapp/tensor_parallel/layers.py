@@ -20,10 +20,43 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
-from ..autograd import linear
+from .. import _collectives
+from ..autograd import defer, linear
 from ..parallel_state import ParallelState
 from . import mappings
 from .utils import divide, resolve_state, sharded_parameter
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``linear(all_gather(x), weight, bias)`` over the sequence dim (0) that
+    keeps only this rank's sequence shard for backward and gathers it again
+    there (Megatron's sequence-parallel linear): the saved input is 1/tp of
+    the gathered one. Backward reduce-scatters the input gradient; the weight
+    gradient is deferred like :func:`megatronapp.autograd.linear`'s inside a
+    zero-bubble BI (its closure keeps the re-gathered input until W)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_collectives.all_gather(x.contiguous(), 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _collectives.reduce_scatter_sum(dy.matmul(weight).contiguous(), 0, ctx.group)
+        if ctx.needs_input_grad[1]:
+            full = _collectives.all_gather(x.contiguous(), 0, ctx.group)
+
+            def wgrad(dy=dy, x=full):
+                return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            if not defer(weight, wgrad):
+                dw = wgrad()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, dw, db, None
 
 
 def _linear_weight_init(weight: torch.Tensor) -> None:
@@ -97,11 +130,15 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+        if self.sequence_parallel and self.group.size() > 1 and (
+                torch.is_grad_enabled() and self.weight.requires_grad):
+            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
         else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
-        y = linear(x, self.weight, self.bias)
+            if self.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+            else:
+                x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
+            y = linear(x, self.weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
         return y
