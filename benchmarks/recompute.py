@@ -58,12 +58,15 @@ BACKENDS = {"local (fused dropout kernel)": "local", "torch SDPA": "flash"}
 
 
 def _rank(rank, world, iters, repeats):
+    import torch
+
     import megatronapp
     from megatronapp import _C, memory
     from megatronapp.pretrain import build_parser
     from megatronapp.training import Config, build_run, train_step
     from megatronapp.training.step import _global_batch_loss
 
+    torch.set_num_threads(1)  # one core per rank, as the peers' harness
     memory.use_pool("cpu")
     out = {}
     for _ in range(repeats):

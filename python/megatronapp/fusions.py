@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["scaled_causal_softmax"]
+__all__ = ["scaled_causal_softmax", "scaled_causal_softmax_dropout"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -57,3 +57,43 @@ def scaled_causal_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
         raise ValueError(f"scaled_causal_softmax: expected [..., queries, keys] scores with "
                          f"queries <= keys, got {tuple(x.shape)}")
     return _ScaledCausalSoftmax.apply(x, float(scale))
+
+
+class _ScaledCausalSoftmaxDropout(torch.autograd.Function):
+    """CPU float/double: softmax and dropout of the probabilities in one
+    kernel per (batch, head) block; keeps the probabilities (for the softmax
+    backward), regenerates the mask from the seed."""
+
+    @staticmethod
+    def forward(ctx, x, scale, p, seed):
+        y, out = torch.ops.mapp.scaled_causal_softmax_dropout(x, scale, p, seed)
+        ctx.scale, ctx.p, ctx.seed = scale, p, seed
+        ctx.save_for_backward(y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        dx = torch.ops.mapp.scaled_causal_softmax_dropout_backward(
+            grad, y, ctx.scale, ctx.p, ctx.seed)
+        return dx, None, None, None
+
+
+def scaled_causal_softmax_dropout(x: torch.Tensor, scale: float, p: float,
+                                  training: bool = True) -> torch.Tensor:
+    """``dropout(scaled_causal_softmax(x, scale), p)`` (dropout as
+    :func:`megatronapp.tensor_parallel.random.dropout`: one seed drawn from
+    the current generator, the same result element for element). On CPU in
+    float32/64 one fused kernel; otherwise the two ops."""
+    from .tensor_parallel.random import dropout
+
+    if not training or p == 0.0 or x.device.type != "cpu" or x.dtype not in (
+            torch.float32, torch.float64):
+        return dropout(scaled_causal_softmax(x, scale), p, training)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if x.dim() < 2 or x.shape[-2] > x.shape[-1]:
+        raise ValueError(f"scaled_causal_softmax_dropout: expected [..., queries, keys] scores "
+                         f"with queries <= keys, got {tuple(x.shape)}")
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+    return _ScaledCausalSoftmaxDropout.apply(x, float(scale), float(p), seed)

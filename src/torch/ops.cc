@@ -8,6 +8,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
+#include <vector>
 
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
@@ -133,6 +135,88 @@ at::Tensor scaled_causal_softmax_backward_cpu(const at::Tensor& grad, const at::
     }
   });
   return dx.scalar_type() == out.scalar_type() ? dx : dx.to(out.scalar_type());
+}
+
+// Softmax then dropout of the probabilities, one (batch, head) block of
+// [q_len, cols] at a time so the dropout pass reads the block from cache:
+// returns (probs, dropped). Element i of the flat tensor gets the same mask as
+// fused_dropout(probs, p, seed) would give it. float / double.
+template <typename T>
+void softmax_dropout_blocks(const at::Tensor& x, double scale, double p, std::int64_t seed,
+                            at::Tensor& y, at::Tensor& out) {
+  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
+  const T keep_scale = static_cast<T>(65536.0 / (65536.0 - threshold));
+  const std::int64_t cols = x.size(-1), q_len = x.size(-2), block = q_len * cols;
+  const std::int64_t blocks = x.numel() / block;
+  const T* in = x.data_ptr<T>();
+  T* py = y.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  at::parallel_for(0, blocks, 1, [&](std::int64_t b0, std::int64_t b1) {
+    for (std::int64_t bl = b0; bl < b1; ++bl) {
+      const std::int64_t off = bl * block;
+      ::mapp::scaled_causal_softmax(in + off, q_len, cols, q_len, static_cast<T>(scale),
+                                    py + off);
+      ::mapp::dropout_apply(static_cast<std::uint64_t>(seed), threshold, keep_scale, off,
+                            off + block, py + off, po + off);
+    }
+  });
+}
+
+template <typename T>
+void softmax_dropout_backward_blocks(const at::Tensor& g, const at::Tensor& y, double scale,
+                                     double p, std::int64_t seed, at::Tensor& dx) {
+  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
+  const T keep_scale = static_cast<T>(65536.0 / (65536.0 - threshold));
+  const std::int64_t cols = y.size(-1), q_len = y.size(-2), block = q_len * cols;
+  const std::int64_t blocks = y.numel() / block;
+  const T* pg = g.data_ptr<T>();
+  const T* py = y.data_ptr<T>();
+  T* pd = dx.data_ptr<T>();
+  at::parallel_for(0, blocks, 1, [&](std::int64_t b0, std::int64_t b1) {
+    std::vector<T> dropped_grad(static_cast<size_t>(block));
+    for (std::int64_t bl = b0; bl < b1; ++bl) {
+      const std::int64_t off = bl * block;
+      ::mapp::dropout_apply(static_cast<std::uint64_t>(seed), threshold, keep_scale, off,
+                            off + block, pg + off, dropped_grad.data());
+      ::mapp::scaled_causal_softmax_backward(py + off, dropped_grad.data(), q_len, cols, q_len,
+                                             static_cast<T>(scale), pd + off);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> scaled_causal_softmax_dropout_cpu(const at::Tensor& self,
+                                                                     double scale, double p,
+                                                                     std::int64_t seed) {
+  check_softmax_input(self, "scaled_causal_softmax_dropout");
+  MAPP_CHECK(self.scalar_type() == at::kFloat || self.scalar_type() == at::kDouble,
+             "scaled_causal_softmax_dropout: float32 or float64 scores, got ",
+             self.scalar_type());
+  at::Tensor x = self.contiguous();
+  at::Tensor y = at::empty_like(x), out = at::empty_like(x);
+  if (x.scalar_type() == at::kDouble) {
+    softmax_dropout_blocks<double>(x, scale, p, seed, y, out);
+  } else {
+    softmax_dropout_blocks<float>(x, scale, p, seed, y, out);
+  }
+  return {y, out};
+}
+
+at::Tensor scaled_causal_softmax_dropout_backward_cpu(const at::Tensor& grad,
+                                                      const at::Tensor& out, double scale,
+                                                      double p, std::int64_t seed) {
+  check_softmax_input(out, "scaled_causal_softmax_dropout_backward");
+  MAPP_CHECK(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
+             "scaled_causal_softmax_dropout_backward: gradient ", grad.sizes(), " ",
+             grad.scalar_type(), " does not match the probabilities ", out.sizes(), " ",
+             out.scalar_type());
+  at::Tensor g = grad.contiguous(), y = out.contiguous();
+  at::Tensor dx = at::empty_like(y);
+  if (y.scalar_type() == at::kDouble) {
+    softmax_dropout_backward_blocks<double>(g, y, scale, p, seed, dx);
+  } else {
+    softmax_dropout_backward_blocks<float>(g, y, scale, p, seed, dx);
+  }
+  return dx;
 }
 
 }  // namespace
@@ -287,6 +371,10 @@ TORCH_LIBRARY(mapp, m) {
   m.def("fused_dropout(Tensor self, float p, int seed) -> Tensor");
   m.def("scaled_causal_softmax(Tensor self, float scale) -> Tensor");
   m.def("scaled_causal_softmax_backward(Tensor grad, Tensor out, float scale) -> Tensor");
+  m.def("scaled_causal_softmax_dropout(Tensor self, float scale, float p, int seed) -> "
+        "(Tensor, Tensor)");
+  m.def("scaled_causal_softmax_dropout_backward(Tensor grad, Tensor out, float scale, float p, "
+        "int seed) -> Tensor");
 
   // Compressed collectives (compressed.h) and their asynchronous works (comm_engine.h).
   using mapp::torch_ext::CommWork;
@@ -336,4 +424,7 @@ TORCH_LIBRARY_IMPL(mapp, CPU, m) {
   m.impl("fused_dropout", &mapp::torch_ext::fused_dropout_cpu);
   m.impl("scaled_causal_softmax", &mapp::torch_ext::scaled_causal_softmax_cpu);
   m.impl("scaled_causal_softmax_backward", &mapp::torch_ext::scaled_causal_softmax_backward_cpu);
+  m.impl("scaled_causal_softmax_dropout", &mapp::torch_ext::scaled_causal_softmax_dropout_cpu);
+  m.impl("scaled_causal_softmax_dropout_backward",
+         &mapp::torch_ext::scaled_causal_softmax_dropout_backward_cpu);
 }

@@ -107,3 +107,25 @@ def test_local_attention_is_sdpa():
     from dist_harness import run_ranks
 
     run_ranks(_local_vs_sdpa, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softmax_dropout_kernel_is_the_composition(dtype):
+    """One kernel, the same numbers as softmax then dropout from the same
+    generator state, forward and backward (the mask follows the flat index)."""
+    from megatronapp.fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
+    from megatronapp.tensor_parallel.random import dropout
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 16, 16, generator=g, dtype=dtype)
+    dy = torch.randn(2, 3, 16, 16, generator=g, dtype=dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(9)
+    a = scaled_causal_softmax_dropout(xa, 0.25, 0.3)
+    torch.manual_seed(9)
+    b = dropout(scaled_causal_softmax(xb, 0.25), 0.3)
+    assert torch.equal(a, b)
+    a.backward(dy)
+    b.backward(dy)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6 if dtype == torch.float32 else 1e-12,
+                               atol=1e-7 if dtype == torch.float32 else 1e-15)

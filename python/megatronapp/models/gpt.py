@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..autograd import linear
-from ..fusions import scaled_causal_softmax
+from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
 from ..parallel_state import ParallelState
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -180,8 +180,11 @@ class ParallelAttention(nn.Module):
             with get_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         scores = torch.matmul(q, k.transpose(-1, -2))  # its backward keeps q, k only
-        probs = scaled_causal_softmax(scores, 1.0 / math.sqrt(self.head_dim))
-        probs = _dropout(probs, p, True, sharded=True)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if p == 0.0:
+            return torch.matmul(scaled_causal_softmax(scores, scale), v)
+        with get_rng_tracker().fork():  # this rank's heads: the tensor-parallel state
+            probs = scaled_causal_softmax_dropout(scores, scale, p)
         return torch.matmul(probs, v)
 
 
