@@ -41,9 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests", "python"))
 from dist_harness import run_ranks  # noqa: E402  (spawns ranks, reports a dead one)
 
-MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
-         "--seq-length", "512", "--micro-batch-size", "2", "--global-batch-size", "2",
-         "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+COMMON = ["--seq-length", "512", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
          "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--no-progress", "--no-watchdog", "--log-interval", "1000", "--lr-warmup-iters", "1"]
 MODES = {
@@ -57,10 +55,9 @@ MODES = {
 BACKENDS = {"local (fused dropout kernel)": "local", "torch SDPA": "flash"}
 
 
-def _rank(rank, world, iters, repeats):
-    import torch
-
+def _rank(rank, world, iters, repeats, shape, backends):
     import megatronapp
+    import torch
     from megatronapp import _C, memory
     from megatronapp.pretrain import build_parser
     from megatronapp.training import Config, build_run, train_step
@@ -70,10 +67,11 @@ def _rank(rank, world, iters, repeats):
     memory.use_pool("cpu")
     out = {}
     for _ in range(repeats):
-        for backend, name in BACKENDS.items():
+        for backend in backends:
+            name = BACKENDS[backend]
             for mode, flags in MODES.items():
                 args = build_parser().parse_args(
-                    MODEL + flags + ["--attention-backend", name, "--train-iters",
+                    COMMON + shape + flags + ["--attention-backend", name, "--train-iters",
                                      str(iters + 2), "--output-dir", "/tmp/mapp_recompute"])
                 run = build_run(Config.from_args(args))
                 train_step(run, 0)  # warm-up; the optimizer state exists after it
@@ -97,11 +95,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--num-attention-heads", type=int, default=8)
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--local-only", action="store_true", help="skip the SDPA rows")
     a = ap.parse_args()
-    rows = run_ranks(_rank, 2, a.iters, a.repeats, timeout=3600)[0]
+    shape = ["--hidden-size", str(a.hidden_size), "--num-attention-heads",
+             str(a.num_attention_heads), "--num-layers", str(a.num_layers),
+             "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size",
+             str(a.micro_batch_size)]
+    backends = list(BACKENDS)[:1] if a.local_only else list(BACKENDS)
+    rows = run_ranks(_rank, 2, a.iters, a.repeats, shape, backends, timeout=7200)[0]
+    h, heads = a.hidden_size, a.num_attention_heads
+    print(f"hidden {h}, {heads} heads, seq 512, micro-batch {a.micro_batch_size}, "
+          f"{a.num_layers} layers: 5as/h = {5 * heads * 512 / h:.0f}, s/h = {512 / h:.2f}\n")
     print("| core attention | recomputation | activation MiB | vs none | step s | vs none |")
     print("|---|---|---|---|---|---|")
-    for backend in BACKENDS:
+    for backend in backends:
         base = rows[(backend, "none")]
         base_step = statistics.median(base["step"])
         for mode in MODES:
