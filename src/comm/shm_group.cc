@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -61,21 +62,38 @@ struct ShmGroup::Call {
   std::uint64_t bytes;
 };
 
+// Who a member is, for noticing that it died while the others wait for it.
+struct ShmGroup::Member {
+  std::atomic<std::int32_t> pid;  // 0 until the member has opened the group
+  std::uint64_t pid_ns;           // inode of its /proc/self/ns/pid (0: unknown)
+};
+
 namespace {
 
 std::size_t header_bytes(int world) {
-  const std::size_t raw = sizeof(ShmGroup::Header) + 2 * static_cast<std::size_t>(world) *
-                                                         sizeof(ShmGroup::Call);
+  const std::size_t raw = sizeof(ShmGroup::Header) +
+                          2 * static_cast<std::size_t>(world) * sizeof(ShmGroup::Call) +
+                          static_cast<std::size_t>(world) * sizeof(ShmGroup::Member);
   return (raw + kPage - 1) / kPage * kPage;
+}
+
+std::uint64_t own_pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
 }
 
 const char* op_name(std::uint32_t op) {
   switch (op) {
-    case 1: return "all_reduce";
-    case 2: return "all_gather";
-    case 3: return "reduce_scatter";
-    case 4: return "all_to_all";
-    default: return "?";
+    case 1:
+      return "all_reduce";
+    case 2:
+      return "all_gather";
+    case 3:
+      return "reduce_scatter";
+    case 4:
+      return "all_to_all";
+    default:
+      return "?";
   }
 }
 
@@ -151,6 +169,30 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
                "): every member must use the same settings");
   }
   unlinked_ = !create;
+  Member& me = members()[rank_];
+  me.pid_ns = own_pid_namespace();
+  me.pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
+}
+
+ShmGroup::Member* ShmGroup::members() const {
+  return reinterpret_cast<Member*>(static_cast<std::uint8_t*>(base_) + sizeof(Header) +
+                                   2 * static_cast<std::size_t>(world_) * sizeof(Call));
+}
+
+int ShmGroup::dead_member(std::int32_t* pid) const {
+  const Member* m = members();
+  const std::uint64_t ns = m[rank_].pid_ns;
+  if (ns == 0) return -1;  // no way to tell whose pids these are
+  for (int i = 0; i < world_; ++i) {
+    const std::int32_t p = m[i].pid.load(std::memory_order_acquire);
+    // Only members in our pid namespace: a pid means the same process there.
+    if (i == rank_ || p <= 0 || m[i].pid_ns != ns) continue;
+    if (::kill(p, 0) != 0 && errno == ESRCH) {
+      *pid = p;
+      return i;
+    }
+  }
+  return -1;
 }
 
 ShmGroup::~ShmGroup() {
@@ -195,6 +237,14 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
                         ") timed out waiting for the other members: one of them died, "
                         "is stuck, or issued a different collective (MAPP_COLLECTIVE_TIMEOUT_S)");
     }
+    std::int32_t pid = 0;
+    if (const int dead = dead_member(&pid); dead >= 0) {
+      broken_ = true;
+      MAPP_FAIL_BACKEND(op, " on shared-memory group '", name_, "' (member ", rank_, " of ", world_,
+                        "): member ", dead, " (pid ", pid,
+                        ") has exited while the others wait for it; the job cannot continue "
+                        "(see that rank's output for why it stopped)");
+    }
     const auto left =
         std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
     timespec ts{static_cast<time_t>(left.count() / 1000000000),
@@ -227,9 +277,9 @@ void ShmGroup::verify(int set) {
   broken_ = true;
   std::string all;
   for (int m = 0; m < world_; ++m) {
-    all += (m ? ", " : "") + std::string("member ") + std::to_string(m) + ": " +
-           op_name(c[m].op) + " of " + std::to_string(c[m].bytes) + " bytes (" +
-           std::to_string(c[m].elem) + "-byte elements)";
+    all += (m ? ", " : "") + std::string("member ") + std::to_string(m) + ": " + op_name(c[m].op) +
+           " of " + std::to_string(c[m].bytes) + " bytes (" + std::to_string(c[m].elem) +
+           "-byte elements)";
   }
   MAPP_CHECK_STATE(false, "shared-memory group '", name_,
                    "': the members issued different collectives (", all,

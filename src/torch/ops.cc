@@ -89,6 +89,8 @@ void check_softmax_input(const at::Tensor& x, const char* what) {
   MAPP_CHECK(x.dim() >= 2, what, ": expected [..., queries, keys] scores, got ", x.sizes());
   MAPP_CHECK(at::isFloatingType(x.scalar_type()), what, ": expected floating scores, got ",
              x.scalar_type());
+  MAPP_CHECK(x.size(-2) >= 1 && x.size(-1) >= x.size(-2), what,
+             ": expected at least one query and no more queries than keys, got ", x.sizes());
 }
 
 at::Tensor scaled_causal_softmax_cpu(const at::Tensor& self, double scale) {

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -132,6 +133,32 @@ TEST(ShmGroup, MissingMemberTimesOutThenRefusesFurtherUse) {
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
   }
   EXPECT_THROW(g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(200)), StateError);
+}
+
+TEST(ShmGroup, AMemberThatExitedIsNamedLongBeforeTheTimeout) {
+  const std::string name = unique_name("dead");
+  auto g = ShmGroup::create(name, 0, 2, 256);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto member = ShmGroup::open(name, 1, 2, 256);  // joins, then dies without a collective
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);  // reaped: the pid no longer exists
+  float x = 1.0F;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(60000));
+    FAIL() << "expected the dead member to be noticed";
+  } catch (const BackendError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("member 1 (pid " + std::to_string(pid) + ") has exited"), std::string::npos)
+        << what;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_THROW(g->all_reduce(&x, sizeof x, sizeof x, kAddFloat, milliseconds(200)), StateError);
+  g->unlink();
 }
 
 TEST(ShmGroup, DifferentCollectivesAreAnErrorOnEveryMember) {

@@ -129,3 +129,11 @@ def test_softmax_dropout_kernel_is_the_composition(dtype):
     b.backward(dy)
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6 if dtype == torch.float32 else 1e-12,
                                atol=1e-7 if dtype == torch.float32 else 1e-15)
+
+
+def test_kernels_reject_shapes_they_cannot_take():
+    for bad in (torch.zeros(2, 0, 0), torch.zeros(3, 4, 2)):
+        with pytest.raises(Exception, match="no more queries than keys"):
+            torch.ops.mapp.scaled_causal_softmax(bad, 1.0)
+    with pytest.raises(Exception, match=r"\[0, 1\)"):
+        torch.ops.mapp.fused_dropout(torch.ones(4), 1.5, 0)

@@ -23,7 +23,9 @@
 // The barrier spins briefly, then sleeps on a futex in the shared mapping (so
 // oversubscribed cores are not burnt), and fails with BackendError after the
 // timeout: a dead or diverged member becomes an error naming the operation,
-// never a hang.
+// never a hang. A member whose process has exited (its pid, recorded at open,
+// no longer exists in our pid namespace) is named within ~100 ms instead of
+// at the timeout.
 #pragma once
 
 #include <chrono>
@@ -40,6 +42,7 @@ class ShmGroup {
  public:
   struct Header;  // in the segment; defined in shm_group.cc
   struct Call;    // a member's announced collective, checked against the others
+  struct Member;  // a member's pid, to notice a member that died
   // `add(dst, src, bytes)` adds the elements at `src` into those at `dst`.
   using Reduce = std::function<void(void* dst, const void* src, std::size_t bytes)>;
 
@@ -79,6 +82,8 @@ class ShmGroup {
   std::uint8_t* slot(int area, int member) const;
   void barrier(const char* op, std::chrono::steady_clock::time_point deadline);
   Call* calls(int set) const;
+  Member* members() const;
+  int dead_member(std::int32_t* pid) const;  // a member whose process is gone, or -1
   int announce(std::uint32_t op, std::size_t bytes, std::size_t elem);  // returns its set
   void verify(int set);  // throws StateError when the members' calls differ
 
