@@ -156,8 +156,7 @@ void softmax_dropout_blocks(const at::Tensor& x, double scale, double p, std::in
   at::parallel_for(0, blocks, 1, [&](std::int64_t b0, std::int64_t b1) {
     for (std::int64_t bl = b0; bl < b1; ++bl) {
       const std::int64_t off = bl * block;
-      ::mapp::scaled_causal_softmax(in + off, q_len, cols, q_len, static_cast<T>(scale),
-                                    py + off);
+      ::mapp::scaled_causal_softmax(in + off, q_len, cols, q_len, static_cast<T>(scale), py + off);
       ::mapp::dropout_apply(static_cast<std::uint64_t>(seed), threshold, keep_scale, off,
                             off + block, py + off, po + off);
     }
@@ -191,8 +190,7 @@ std::tuple<at::Tensor, at::Tensor> scaled_causal_softmax_dropout_cpu(const at::T
                                                                      std::int64_t seed) {
   check_softmax_input(self, "scaled_causal_softmax_dropout");
   MAPP_CHECK(self.scalar_type() == at::kFloat || self.scalar_type() == at::kDouble,
-             "scaled_causal_softmax_dropout: float32 or float64 scores, got ",
-             self.scalar_type());
+             "scaled_causal_softmax_dropout: float32 or float64 scores, got ", self.scalar_type());
   at::Tensor x = self.contiguous();
   at::Tensor y = at::empty_like(x), out = at::empty_like(x);
   if (x.scalar_type() == at::kDouble) {
@@ -203,9 +201,8 @@ std::tuple<at::Tensor, at::Tensor> scaled_causal_softmax_dropout_cpu(const at::T
   return {y, out};
 }
 
-at::Tensor scaled_causal_softmax_dropout_backward_cpu(const at::Tensor& grad,
-                                                      const at::Tensor& out, double scale,
-                                                      double p, std::int64_t seed) {
+at::Tensor scaled_causal_softmax_dropout_backward_cpu(const at::Tensor& grad, const at::Tensor& out,
+                                                      double scale, double p, std::int64_t seed) {
   check_softmax_input(out, "scaled_causal_softmax_dropout_backward");
   MAPP_CHECK(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
              "scaled_causal_softmax_dropout_backward: gradient ", grad.sizes(), " ",
@@ -373,10 +370,12 @@ TORCH_LIBRARY(mapp, m) {
   m.def("fused_dropout(Tensor self, float p, int seed) -> Tensor");
   m.def("scaled_causal_softmax(Tensor self, float scale) -> Tensor");
   m.def("scaled_causal_softmax_backward(Tensor grad, Tensor out, float scale) -> Tensor");
-  m.def("scaled_causal_softmax_dropout(Tensor self, float scale, float p, int seed) -> "
-        "(Tensor, Tensor)");
-  m.def("scaled_causal_softmax_dropout_backward(Tensor grad, Tensor out, float scale, float p, "
-        "int seed) -> Tensor");
+  m.def(
+      "scaled_causal_softmax_dropout(Tensor self, float scale, float p, int seed) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "scaled_causal_softmax_dropout_backward(Tensor grad, Tensor out, float scale, float p, "
+      "int seed) -> Tensor");
 
   // Compressed collectives (compressed.h) and their asynchronous works (comm_engine.h).
   using mapp::torch_ext::CommWork;
