@@ -56,7 +56,7 @@ MODES = {
     "full, block, 4 of 8 layers": ["--recompute-granularity", "full", "--recompute-method",
                                    "block", "--recompute-num-layers", "4"],
 }
-BACKENDS = {"local (fused dropout kernel)": "local", "torch SDPA": "flash"}
+BACKENDS = {"local (fused kernels)": "local", "torch SDPA": "flash"}
 
 
 def _rank(rank, world, iters, repeats, shape, backends):
