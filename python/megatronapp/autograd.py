@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import torch
 
-__all__ = ["linear", "deferring", "defer", "is_deferred", "run", "WeightGradStore"]
+__all__ = ["linear", "deferring", "defer", "is_deferred", "run", "WeightGradStore",
+           "weight_and_bias_grads"]
 
 
 class WeightGradStore:
@@ -99,15 +100,25 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        dw = db = None
-        if ctx.needs_input_grad[1]:
-            def wgrad(dy=dy, x=x):
-                return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-            if not defer(weight, wgrad):
-                dw = wgrad()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        return dx, dw, db
+        return (dx, *weight_and_bias_grads(ctx, dy, lambda: x, weight))
+
+
+def weight_and_bias_grads(ctx, dy: torch.Tensor, inputs, weight: torch.Tensor) -> tuple:
+    """(dW, db) of ``y = x W^T + b`` for a custom linear's backward whose
+    arguments 1 and 2 are the weight and the bias: dW is deferred inside a
+    :func:`deferring` backward (then None here), db computed now. `inputs`
+    returns x (called only when dW is needed, e.g. to gather it)."""
+    dw = db = None
+    if ctx.needs_input_grad[1]:
+        x = inputs()
+
+        def wgrad(dy=dy, x=x):
+            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        if not defer(weight, wgrad):
+            dw = wgrad()
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    return dw, db
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

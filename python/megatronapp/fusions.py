@@ -53,10 +53,14 @@ def scaled_causal_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
     query masked (causal; queries aligned to the last keys), for scores
     ``[..., queries, keys]``; computed in float32 at least, returned in x's
     dtype. Keeps only its output for backward."""
-    if x.dim() < 2 or x.shape[-2] > x.shape[-1]:
-        raise ValueError(f"scaled_causal_softmax: expected [..., queries, keys] scores with "
-                         f"queries <= keys, got {tuple(x.shape)}")
+    _check_scores(x, "scaled_causal_softmax")
     return _ScaledCausalSoftmax.apply(x, float(scale))
+
+
+def _check_scores(x: torch.Tensor, what: str) -> None:
+    if x.dim() < 2 or x.shape[-2] > x.shape[-1]:
+        raise ValueError(f"{what}: expected [..., queries, keys] scores with queries <= keys, "
+                         f"got {tuple(x.shape)}")
 
 
 class _ScaledCausalSoftmaxDropout(torch.autograd.Function):
@@ -85,15 +89,11 @@ def scaled_causal_softmax_dropout(x: torch.Tensor, scale: float, p: float,
     :func:`megatronapp.tensor_parallel.random.dropout`: one seed drawn from
     the current generator, the same result element for element). On CPU in
     float32/64 one fused kernel; otherwise the two ops."""
-    from .tensor_parallel.random import dropout
+    from .tensor_parallel.random import check_dropout_probability, draw_seed, dropout
 
     if not training or p == 0.0 or x.device.type != "cpu" or x.dtype not in (
             torch.float32, torch.float64):
         return dropout(scaled_causal_softmax(x, scale), p, training)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if x.dim() < 2 or x.shape[-2] > x.shape[-1]:
-        raise ValueError(f"scaled_causal_softmax_dropout: expected [..., queries, keys] scores "
-                         f"with queries <= keys, got {tuple(x.shape)}")
-    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
-    return _ScaledCausalSoftmaxDropout.apply(x, float(scale), float(p), seed)
+    check_dropout_probability(p)
+    _check_scores(x, "scaled_causal_softmax_dropout")
+    return _ScaledCausalSoftmaxDropout.apply(x, float(scale), float(p), draw_seed())

@@ -46,45 +46,48 @@ at::Tensor vocab_ce_local_stats_cpu(const at::Tensor& logits, const at::Tensor& 
   return stats;
 }
 
+// The kept-value scale of dropout with `threshold`: the mean is exact.
+double keep_scale(std::uint32_t threshold) { return 65536.0 / (65536.0 - threshold); }
+
 // Dropout with the counter-based mask of mapp/tp/dropout.h: out = x * keep *
 // scale. float / double fused in one pass; other dtypes (bf16, fp16) multiply
 // by the generated mask. Threads split the range; the mask does not depend
 // on the split. Backward calls the same op on the gradient with the same seed.
+template <typename T>
+void dropout_into(const at::Tensor& x, std::uint64_t seed, std::uint32_t threshold,
+                  at::Tensor& out) {
+  const T scale = static_cast<T>(keep_scale(threshold));
+  at::parallel_for(0, x.numel(), 1 << 16, [&](std::int64_t begin, std::int64_t end) {
+    ::mapp::dropout_apply(seed, threshold, scale, begin, end, x.data_ptr<T>() + begin,
+                          out.data_ptr<T>() + begin);
+  });
+}
+
 at::Tensor fused_dropout_cpu(const at::Tensor& self, double p, std::int64_t seed) {
   const std::uint32_t threshold = ::mapp::dropout_threshold(p);
-  const double scale = 65536.0 / (65536.0 - threshold);
   const auto useed = static_cast<std::uint64_t>(seed);
   at::Tensor x = self.contiguous();
-  const std::int64_t n = x.numel();
-  constexpr std::int64_t kGrain = 1 << 16;
   if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) {
     at::Tensor out = at::empty_like(x);
-    const bool f64 = x.scalar_type() == at::kDouble;
-    at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
-      if (f64) {
-        const double* in = x.data_ptr<double>();
-        ::mapp::dropout_apply(useed, threshold, scale, begin, end, in + begin,
-                              out.data_ptr<double>() + begin);
-      } else {
-        const float* in = x.data_ptr<float>();
-        ::mapp::dropout_apply(useed, threshold, static_cast<float>(scale), begin, end, in + begin,
-                              out.data_ptr<float>() + begin);
-      }
-    });
+    if (x.scalar_type() == at::kDouble) {
+      dropout_into<double>(x, useed, threshold, out);
+    } else {
+      dropout_into<float>(x, useed, threshold, out);
+    }
     return out;
   }
   MAPP_CHECK(at::isFloatingType(x.scalar_type()), "fused_dropout: expected a floating tensor, got ",
              x.scalar_type());
   at::Tensor mask = at::empty(x.sizes(), x.options().dtype(at::kByte));
-  at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, x.numel(), 1 << 16, [&](std::int64_t begin, std::int64_t end) {
     ::mapp::dropout_mask(useed, threshold, begin, end, mask.data_ptr<std::uint8_t>() + begin);
   });
-  return x.mul(mask).mul_(scale);
+  return x.mul(mask).mul_(keep_scale(threshold));
 }
 
 // Scale + causal mask + softmax over the last dim of [..., q_len, cols]
-// scores, rows split over threads (mapp/tp/softmax.h). float / double run
-// natively; other dtypes in float, the result cast back.
+// scores (mapp/tp/softmax.h). float / double run natively; other dtypes in
+// float, the result cast back.
 void check_softmax_input(const at::Tensor& x, const char* what) {
   MAPP_CHECK(x.dim() >= 2, what, ": expected [..., queries, keys] scores, got ", x.sizes());
   MAPP_CHECK(at::isFloatingType(x.scalar_type()), what, ": expected floating scores, got ",
@@ -93,23 +96,43 @@ void check_softmax_input(const at::Tensor& x, const char* what) {
              ": expected at least one query and no more queries than keys, got ", x.sizes());
 }
 
+// Calls f(offset, blocks) for runs of whole [q_len, cols] (batch, head) blocks
+// of `t`, the runs split over threads; offset is in elements.
+template <typename F>
+void for_query_blocks(const at::Tensor& t, F&& f) {
+  const std::int64_t block = t.size(-2) * t.size(-1);
+  at::parallel_for(0, t.numel() / block, 1,
+                   [&](std::int64_t b0, std::int64_t b1) { f(b0 * block, b1 - b0); });
+}
+
+template <typename T>
+void softmax_into(const at::Tensor& x, double scale, at::Tensor& y) {
+  const std::int64_t cols = x.size(-1), q_len = x.size(-2);
+  for_query_blocks(x, [&](std::int64_t off, std::int64_t blocks) {
+    ::mapp::scaled_causal_softmax(x.data_ptr<T>() + off, blocks * q_len, cols, q_len,
+                                  static_cast<T>(scale), y.data_ptr<T>() + off);
+  });
+}
+
+template <typename T>
+void softmax_backward_into(const at::Tensor& y, const T* g, double scale, at::Tensor& dx) {
+  const std::int64_t cols = y.size(-1), q_len = y.size(-2);
+  for_query_blocks(y, [&](std::int64_t off, std::int64_t blocks) {
+    ::mapp::scaled_causal_softmax_backward(y.data_ptr<T>() + off, g + off, blocks * q_len, cols,
+                                           q_len, static_cast<T>(scale), dx.data_ptr<T>() + off);
+  });
+}
+
 at::Tensor scaled_causal_softmax_cpu(const at::Tensor& self, double scale) {
   check_softmax_input(self, "scaled_causal_softmax");
   const bool f64 = self.scalar_type() == at::kDouble;
   at::Tensor x = self.to(f64 ? at::kDouble : at::kFloat).contiguous();
   at::Tensor y = at::empty_like(x);
-  const std::int64_t cols = x.size(-1), q_len = x.size(-2);
-  const std::int64_t rows = x.numel() / cols;
-  at::parallel_for(0, rows / q_len, 1, [&](std::int64_t begin, std::int64_t end) {
-    const std::int64_t r0 = begin * q_len, nr = (end - begin) * q_len;
-    if (f64) {
-      ::mapp::scaled_causal_softmax(x.data_ptr<double>() + r0 * cols, nr, cols, q_len, scale,
-                                    y.data_ptr<double>() + r0 * cols);
-    } else {
-      ::mapp::scaled_causal_softmax(x.data_ptr<float>() + r0 * cols, nr, cols, q_len,
-                                    static_cast<float>(scale), y.data_ptr<float>() + r0 * cols);
-    }
-  });
+  if (f64) {
+    softmax_into<double>(x, scale, y);
+  } else {
+    softmax_into<float>(x, scale, y);
+  }
   return y.scalar_type() == self.scalar_type() ? y : y.to(self.scalar_type());
 }
 
@@ -122,81 +145,68 @@ at::Tensor scaled_causal_softmax_backward_cpu(const at::Tensor& grad, const at::
   const auto ft = f64 ? at::kDouble : at::kFloat;
   at::Tensor y = out.to(ft).contiguous(), g = grad.to(ft).contiguous();
   at::Tensor dx = at::empty_like(y);
-  const std::int64_t cols = y.size(-1), q_len = y.size(-2);
-  const std::int64_t rows = y.numel() / cols;
-  at::parallel_for(0, rows / q_len, 1, [&](std::int64_t begin, std::int64_t end) {
-    const std::int64_t r0 = begin * q_len, nr = (end - begin) * q_len;
-    if (f64) {
-      ::mapp::scaled_causal_softmax_backward(y.data_ptr<double>() + r0 * cols,
-                                             g.data_ptr<double>() + r0 * cols, nr, cols, q_len,
-                                             scale, dx.data_ptr<double>() + r0 * cols);
-    } else {
-      ::mapp::scaled_causal_softmax_backward(
-          y.data_ptr<float>() + r0 * cols, g.data_ptr<float>() + r0 * cols, nr, cols, q_len,
-          static_cast<float>(scale), dx.data_ptr<float>() + r0 * cols);
-    }
-  });
+  if (f64) {
+    softmax_backward_into<double>(y, g.data_ptr<double>(), scale, dx);
+  } else {
+    softmax_backward_into<float>(y, g.data_ptr<float>(), scale, dx);
+  }
   return dx.scalar_type() == out.scalar_type() ? dx : dx.to(out.scalar_type());
 }
 
-// Softmax then dropout of the probabilities, one (batch, head) block of
-// [q_len, cols] at a time so the dropout pass reads the block from cache:
-// returns (probs, dropped). Element i of the flat tensor gets the same mask as
-// fused_dropout(probs, p, seed) would give it. float / double.
+// Softmax then dropout of the probabilities, one (batch, head) block at a time
+// so the dropout pass reads the block from cache: (probs, dropped). Element i
+// of the flat tensor gets the same mask as fused_dropout(probs, p, seed).
 template <typename T>
-void softmax_dropout_blocks(const at::Tensor& x, double scale, double p, std::int64_t seed,
-                            at::Tensor& y, at::Tensor& out) {
-  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
-  const T keep_scale = static_cast<T>(65536.0 / (65536.0 - threshold));
+void softmax_dropout_into(const at::Tensor& x, double scale, std::uint64_t seed,
+                          std::uint32_t threshold, at::Tensor& y, at::Tensor& out) {
   const std::int64_t cols = x.size(-1), q_len = x.size(-2), block = q_len * cols;
-  const std::int64_t blocks = x.numel() / block;
-  const T* in = x.data_ptr<T>();
-  T* py = y.data_ptr<T>();
-  T* po = out.data_ptr<T>();
-  at::parallel_for(0, blocks, 1, [&](std::int64_t b0, std::int64_t b1) {
-    for (std::int64_t bl = b0; bl < b1; ++bl) {
-      const std::int64_t off = bl * block;
-      ::mapp::scaled_causal_softmax(in + off, q_len, cols, q_len, static_cast<T>(scale), py + off);
-      ::mapp::dropout_apply(static_cast<std::uint64_t>(seed), threshold, keep_scale, off,
-                            off + block, py + off, po + off);
+  const T kept = static_cast<T>(keep_scale(threshold));
+  for_query_blocks(x, [&](std::int64_t off, std::int64_t blocks) {
+    for (std::int64_t o = off; o < off + blocks * block; o += block) {
+      ::mapp::scaled_causal_softmax(x.data_ptr<T>() + o, q_len, cols, q_len, static_cast<T>(scale),
+                                    y.data_ptr<T>() + o);
+      ::mapp::dropout_apply(seed, threshold, kept, o, o + block, y.data_ptr<T>() + o,
+                            out.data_ptr<T>() + o);
     }
   });
 }
 
+// Its backward: the dropout mask applied to the gradient, then the softmax
+// backward, block by block through one per-thread buffer.
 template <typename T>
-void softmax_dropout_backward_blocks(const at::Tensor& g, const at::Tensor& y, double scale,
-                                     double p, std::int64_t seed, at::Tensor& dx) {
-  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
-  const T keep_scale = static_cast<T>(65536.0 / (65536.0 - threshold));
+void softmax_dropout_backward_into(const at::Tensor& g, const at::Tensor& y, double scale,
+                                   std::uint64_t seed, std::uint32_t threshold, at::Tensor& dx) {
   const std::int64_t cols = y.size(-1), q_len = y.size(-2), block = q_len * cols;
-  const std::int64_t blocks = y.numel() / block;
-  const T* pg = g.data_ptr<T>();
-  const T* py = y.data_ptr<T>();
-  T* pd = dx.data_ptr<T>();
-  at::parallel_for(0, blocks, 1, [&](std::int64_t b0, std::int64_t b1) {
-    std::vector<T> dropped_grad(static_cast<size_t>(block));
-    for (std::int64_t bl = b0; bl < b1; ++bl) {
-      const std::int64_t off = bl * block;
-      ::mapp::dropout_apply(static_cast<std::uint64_t>(seed), threshold, keep_scale, off,
-                            off + block, pg + off, dropped_grad.data());
-      ::mapp::scaled_causal_softmax_backward(py + off, dropped_grad.data(), q_len, cols, q_len,
-                                             static_cast<T>(scale), pd + off);
+  const T kept = static_cast<T>(keep_scale(threshold));
+  for_query_blocks(y, [&](std::int64_t off, std::int64_t blocks) {
+    std::vector<T> kept_grad(static_cast<size_t>(block));
+    for (std::int64_t o = off; o < off + blocks * block; o += block) {
+      ::mapp::dropout_apply(seed, threshold, kept, o, o + block, g.data_ptr<T>() + o,
+                            kept_grad.data());
+      ::mapp::scaled_causal_softmax_backward(y.data_ptr<T>() + o, kept_grad.data(), q_len, cols,
+                                             q_len, static_cast<T>(scale), dx.data_ptr<T>() + o);
     }
   });
+}
+
+void check_float_or_double(const at::Tensor& t, const char* what) {
+  MAPP_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, what,
+             ": float32 or float64 scores, got ", t.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor> scaled_causal_softmax_dropout_cpu(const at::Tensor& self,
                                                                      double scale, double p,
                                                                      std::int64_t seed) {
   check_softmax_input(self, "scaled_causal_softmax_dropout");
-  MAPP_CHECK(self.scalar_type() == at::kFloat || self.scalar_type() == at::kDouble,
-             "scaled_causal_softmax_dropout: float32 or float64 scores, got ", self.scalar_type());
+  check_float_or_double(self, "scaled_causal_softmax_dropout");
+  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
+  const auto useed = static_cast<std::uint64_t>(seed);
   at::Tensor x = self.contiguous();
   at::Tensor y = at::empty_like(x), out = at::empty_like(x);
   if (x.scalar_type() == at::kDouble) {
-    softmax_dropout_blocks<double>(x, scale, p, seed, y, out);
+    softmax_dropout_into<double>(x, scale, useed, threshold, y, out);
   } else {
-    softmax_dropout_blocks<float>(x, scale, p, seed, y, out);
+    softmax_dropout_into<float>(x, scale, useed, threshold, y, out);
   }
   return {y, out};
 }
@@ -204,16 +214,19 @@ std::tuple<at::Tensor, at::Tensor> scaled_causal_softmax_dropout_cpu(const at::T
 at::Tensor scaled_causal_softmax_dropout_backward_cpu(const at::Tensor& grad, const at::Tensor& out,
                                                       double scale, double p, std::int64_t seed) {
   check_softmax_input(out, "scaled_causal_softmax_dropout_backward");
+  check_float_or_double(out, "scaled_causal_softmax_dropout_backward");
   MAPP_CHECK(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
              "scaled_causal_softmax_dropout_backward: gradient ", grad.sizes(), " ",
              grad.scalar_type(), " does not match the probabilities ", out.sizes(), " ",
              out.scalar_type());
+  const std::uint32_t threshold = ::mapp::dropout_threshold(p);
+  const auto useed = static_cast<std::uint64_t>(seed);
   at::Tensor g = grad.contiguous(), y = out.contiguous();
   at::Tensor dx = at::empty_like(y);
   if (y.scalar_type() == at::kDouble) {
-    softmax_dropout_backward_blocks<double>(g, y, scale, p, seed, dx);
+    softmax_dropout_backward_into<double>(g, y, scale, useed, threshold, dx);
   } else {
-    softmax_dropout_backward_blocks<float>(g, y, scale, p, seed, dx);
+    softmax_dropout_backward_into<float>(g, y, scale, useed, threshold, dx);
   }
   return dx;
 }

@@ -12,12 +12,13 @@ import argparse
 import json
 import os
 
-from . import estimate, plan_recompute, replay
+from . import estimate, replay
 from .plan import MemoryLimitError
 
 
 def _estimate_main(argv) -> None:
     from ..training import Config, ConfigError, build_parser
+    from ..training.setup import resolve_auto_recompute
 
     p = argparse.ArgumentParser(
         prog="python -m megatronapp.memory estimate",
@@ -32,14 +33,9 @@ def _estimate_main(argv) -> None:
     par = cfg.parallel
     world = own.world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
     try:
-        if cfg.recompute.granularity() == "auto":
-            cfg.check(world)
-            gran, method, k, _ = plan_recompute(cfg.flat(), world,
-                                                int(cfg.memory.memory_limit_gb * 2**30))
-            rc = cfg.recompute
-            rc.recompute_activations, rc.recompute_granularity = False, gran
-            rc.recompute_method, rc.recompute_num_layers = method, k
-        stages = range(cfg.check(world).pp) if own.stage is None else [own.stage]
+        plan = cfg.check(world)
+        resolve_auto_recompute(cfg, world)
+        stages = range(plan.pp) if own.stage is None else [own.stage]
         results = [estimate(cfg.flat(), world, stage=s) for s in stages]
     except (ConfigError, MemoryLimitError) as e:
         raise SystemExit(f"error: {e}") from None

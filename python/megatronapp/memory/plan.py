@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Breakdown", "estimate", "plan_recompute", "MemoryLimitError"]
 
@@ -66,7 +66,6 @@ class Breakdown:
     transient: int  #: backward working set at that peak
     pool_overhead: int
     recompute: str = "none"
-    notes: list = field(default_factory=list)
 
     @property
     def static(self) -> int:
@@ -99,7 +98,7 @@ class Breakdown:
                 ("reserved", self.reserved)]
         out = [f"pipeline stage {self.stage}, recomputation {self.recompute}"]
         out += [f"  {name:<45s} {b / _MiB:12.2f} MiB" for name, b in rows]
-        return "\n".join(out + [f"  note: {n}" for n in self.notes])
+        return "\n".join(out)
 
 
 # ---- shapes -----------------------------------------------------------------------------
@@ -317,14 +316,13 @@ def _chunk_activations(x: _Shape, vs: int) -> dict:
 def _schedule_peak(x: _Shape, stage: int, acts: list) -> tuple[int, float, int]:
     """Walks the stage's actions: (peak stored bytes + working set at it,
     peak in microbatch units, the working set)."""
-    from ..pipeline import make_schedule
+    from ..pipeline import current_schedule, make_schedule
 
     if x.pp == 1:
         c = acts[0]
         return c["stored"], 1.0, c["ws"]
-    sched = make_schedule(x.schedule, x.pp, x.microbatches, x.vpp, policy=x.policy,
-                          memory_limit=x.memory_limit)
-    sched = getattr(sched, "schedule", sched)  # adaptive: its current plan
+    sched = current_schedule(make_schedule(x.schedule, x.pp, x.microbatches, x.vpp,
+                                           policy=x.policy, memory_limit=x.memory_limit))
     # Besides what autograd keeps: a posted receive's buffer lives from RECV
     # to its F/B, and a sent input gradient until the step ends (the executor
     # waits for gradient sends in finish(); activation sends are released

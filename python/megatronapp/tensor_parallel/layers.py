@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import _collectives
-from ..autograd import defer, linear
+from ..autograd import linear, weight_and_bias_grads
 from ..parallel_state import ParallelState
 from . import mappings
 from .utils import divide, resolve_state, sharded_parameter
@@ -44,19 +44,13 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dw = db = None
+        dx = None
         if ctx.needs_input_grad[0]:
             dx = _collectives.reduce_scatter_sum(dy.matmul(weight).contiguous(), 0, ctx.group)
-        if ctx.needs_input_grad[1]:
-            full = _collectives.all_gather(x.contiguous(), 0, ctx.group)
 
-            def wgrad(dy=dy, x=full):
-                return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-            if not defer(weight, wgrad):
-                dw = wgrad()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        return dx, dw, db, None
+        def gathered():  # the weight gradient needs the whole sequence again
+            return _collectives.all_gather(x.contiguous(), 0, ctx.group)
+        return (dx, *weight_and_bias_grads(ctx, dy, gathered, weight), None)
 
 
 def _linear_weight_init(weight: torch.Tensor) -> None:

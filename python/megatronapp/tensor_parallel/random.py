@@ -196,12 +196,21 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     CUDA, torch's fused dropout."""
     if not training or p == 0.0:
         return x
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    check_dropout_probability(p)
     if x.device.type != "cpu":
         return torch.nn.functional.dropout(x, p, True)
-    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
-    return _FusedDropout.apply(x, p, seed)
+    return _FusedDropout.apply(x, p, draw_seed())
+
+
+def check_dropout_probability(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+
+
+def draw_seed() -> int:
+    """One seed for a counter-based dropout mask, drawn from the current
+    generator (so tracker forks and checkpoint replays govern it)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
 
 
 # ---- activation recomputation ------------------------------------------------------

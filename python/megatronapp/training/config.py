@@ -361,6 +361,29 @@ class Config:
         if self.data_parallel.bucket_size_mb <= 0:
             raise ConfigError(f"--bucket-size-mb must be positive, got "
                               f"{self.data_parallel.bucket_size_mb}")
+        self._check_precision_and_recompute(tp > 1 and par.sequence_parallel)
+        ck = self.checkpoint
+        if ck.save_interval is not None and ck.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
+        if not ck.no_watchdog and world_size > 1 and ck.watchdog_timeout <= 2.0:
+            raise ConfigError(f"--watchdog-timeout must exceed 2 s (twice the heartbeat), "
+                              f"got {ck.watchdog_timeout}")
+        if self.memory.record_alloc_trace and not self.memory.memory_pool:
+            raise ConfigError("--record-alloc-trace needs --memory-pool")
+        if self.memory.record_alloc_trace and self.device_type() != "cpu":
+            raise ConfigError("--record-alloc-trace records the CPU pool; run on CPU (gloo)")
+        tr = self.trace
+        if tr.trace_interval < 1:
+            raise ConfigError(f"--trace-interval must be >= 1, got {tr.trace_interval}")
+        if tr.trace_detect_interval and not tr.trace:
+            raise ConfigError("--trace-detect-interval needs --trace")
+        data = self.data.data_path
+        if data is not None and not os.path.isfile(data):
+            raise ConfigError(f"--data-path {data}: no such file")
+        return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+
+    def _check_precision_and_recompute(self, sequence_parallel: bool) -> None:
+        """--bf16/--fp16 and the loss scaler, recomputation, dropout, the memory limit."""
         pr = self.precision
         if pr.bf16 and pr.fp16:
             raise ConfigError("--bf16 and --fp16 exclude each other; pick one")
@@ -385,35 +408,16 @@ class Config:
         else:
             try:
                 check_recompute(rc.granularity(), rc.recompute_method, rc.recompute_num_layers,
-                                rc.distribute_saved_activations, par.sequence_parallel and tp > 1)
+                                rc.distribute_saved_activations, sequence_parallel)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.memory.memory_limit_gb is not None and not self.memory.memory_limit_gb > 0:
             raise ConfigError(f"--memory-limit-gb must be positive, got "
                               f"{self.memory.memory_limit_gb}")
-        for name, value in (("--hidden-dropout", m.hidden_dropout),
-                            ("--attention-dropout", m.attention_dropout)):
+        for name, value in (("--hidden-dropout", self.model.hidden_dropout),
+                            ("--attention-dropout", self.model.attention_dropout)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}")
-        ck = self.checkpoint
-        if ck.save_interval is not None and ck.save_interval < 1:
-            raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
-        if not ck.no_watchdog and world_size > 1 and ck.watchdog_timeout <= 2.0:
-            raise ConfigError(f"--watchdog-timeout must exceed 2 s (twice the heartbeat), "
-                              f"got {ck.watchdog_timeout}")
-        if self.memory.record_alloc_trace and not self.memory.memory_pool:
-            raise ConfigError("--record-alloc-trace needs --memory-pool")
-        if self.memory.record_alloc_trace and self.device_type() != "cpu":
-            raise ConfigError("--record-alloc-trace records the CPU pool; run on CPU (gloo)")
-        tr = self.trace
-        if tr.trace_interval < 1:
-            raise ConfigError(f"--trace-interval must be >= 1, got {tr.trace_interval}")
-        if tr.trace_detect_interval and not tr.trace:
-            raise ConfigError("--trace-detect-interval needs --trace")
-        data = self.data.data_path
-        if data is not None and not os.path.isfile(data):
-            raise ConfigError(f"--data-path {data}: no such file")
-        return Plan(world_size, tp, pp, dp, v, microbatches, layout)
 
     def backend(self) -> str:
         """The c10d backend --distributed-backend resolves to."""

@@ -39,7 +39,7 @@ from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
 __all__ = ["Run", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
-           "apply_memory_limit",
+           "apply_memory_limit", "resolve_auto_recompute",
            "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "grad_scaler",
            "build_optimizer",
            "build_run"]
@@ -131,26 +131,41 @@ def check_config(config: Config) -> Plan:
     return plan
 
 
+def resolve_auto_recompute(config: Config, world: int):
+    """--recompute-granularity auto: sets config.recompute to the least
+    recomputation the planner finds fits --memory-limit-gb and returns its
+    Breakdown (None when the granularity is not auto). Raises
+    megatronapp.memory.MemoryLimitError when nothing fits."""
+    from ..memory import plan_recompute
+
+    rc = config.recompute
+    if rc.granularity() != "auto":
+        return None
+    gran, method, k, bd = plan_recompute(config.flat(), world,
+                                         int(config.memory.memory_limit_gb * 2**30))
+    rc.recompute_activations, rc.recompute_granularity = False, gran
+    rc.recompute_method, rc.recompute_num_layers = method, k
+    return bd
+
+
 def apply_memory_limit(config: Config, world: int, verbose: bool = False) -> None:
     """--memory-limit-gb, with the planner (:mod:`megatronapp.memory.plan`):
     resolves --recompute-granularity auto into the least recomputation that
     fits, gives the dynamic schedule its live-activation limit when none was
     set, and stops (SystemExit) when the run cannot fit. No collective: every
     rank decides the same."""
-    from ..memory import MemoryLimitError, estimate, plan_recompute
+    from ..memory import MemoryLimitError, estimate
 
     limit = int(config.memory.memory_limit_gb * 2**30)
-    rc = config.recompute
     try:
-        if rc.granularity() == "auto":
-            gran, method, k, bd = plan_recompute(config.flat(), world, limit)
-            rc.recompute_activations, rc.recompute_granularity = False, gran
-            rc.recompute_method, rc.recompute_num_layers = method, k
-            if verbose:
-                print(f"[memory] --recompute-granularity auto: {bd.recompute}"
-                      f"{f' ({method}, {k} layers)' if method else ''}; planned peak "
-                      f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}) of "
-                      f"{config.memory.memory_limit_gb} GiB", flush=True)
+        bd = resolve_auto_recompute(config, world)
+        if bd is not None and verbose:
+            rc = config.recompute
+            how = f" ({rc.recompute_method}, {rc.recompute_num_layers} layers)" \
+                if rc.recompute_method else ""
+            print(f"[memory] --recompute-granularity auto: {bd.recompute}{how}; planned peak "
+                  f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}) of "
+                  f"{config.memory.memory_limit_gb} GiB", flush=True)
         bd = estimate(config, world)
     except MemoryLimitError as e:
         raise SystemExit(f"--memory-limit-gb {config.memory.memory_limit_gb}: {e}") from None
