@@ -1,13 +1,7 @@
 #include "mapp/comm/shm_group.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,30 +12,17 @@
 #include <new>
 
 #include "mapp/common/check.h"
+#include "shm_segment.h"
 
 namespace mapp::comm {
 namespace {
 
+using shm::cpu_relax;
+using shm::futex;
+
 constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
-constexpr std::size_t kPage = 4096;
 constexpr int kSpins = 256;  // busy polls before yielding
 constexpr int kYields = 16;  // sched_yield polls before sleeping on the futex
-
-static_assert(std::atomic<std::uint32_t>::is_always_lock_free,
-              "the shared-memory barrier needs address-free 32-bit atomics");
-
-long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t val, const timespec* ts) {
-  // Not FUTEX_PRIVATE: the word lives in a mapping shared between processes.
-  return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(addr), op, val, ts, nullptr, 0);
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace
 
@@ -62,24 +43,12 @@ struct ShmGroup::Call {
   std::uint64_t bytes;
 };
 
-// Who a member is, for noticing that it died while the others wait for it.
-struct ShmGroup::Member {
-  std::atomic<std::int32_t> pid;  // 0 until the member has opened the group
-  std::uint64_t pid_ns;           // inode of its /proc/self/ns/pid (0: unknown)
-};
-
 namespace {
 
 std::size_t header_bytes(int world) {
-  const std::size_t raw = sizeof(ShmGroup::Header) +
-                          2 * static_cast<std::size_t>(world) * sizeof(ShmGroup::Call) +
-                          static_cast<std::size_t>(world) * sizeof(ShmGroup::Member);
-  return (raw + kPage - 1) / kPage * kPage;
-}
-
-std::uint64_t own_pid_namespace() {
-  struct stat st {};
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
+  return shm::round_to_page(sizeof(ShmGroup::Header) +
+                            2 * static_cast<std::size_t>(world) * sizeof(ShmGroup::Call) +
+                            static_cast<std::size_t>(world) * sizeof(shm::Member));
 }
 
 const char* op_name(std::uint32_t op) {
@@ -119,41 +88,11 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
              " must be a multiple of 64 and at "
              "least 64 x the group size (",
              world, "); raise MAPP_SHM_SLOT_BYTES");
-  MAPP_CHECK(!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos,
-             "shared-memory group: '", name, "' is not a POSIX shm name ('/' then no '/')");
   header_bytes_ = header_bytes(world);
-  map_bytes_ = header_bytes_ + 2 * static_cast<std::size_t>(world) * slot_bytes;
-  const int fd = ::shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
-  if (fd < 0)
-    MAPP_FAIL_BACKEND("shm_open('", name, "') failed: ", errno_text(),
-                      create ? "" : "; the creating member must create it before others open it");
-  // Reserve the pages now: on a size-limited tmpfs (a container's 64 MiB
-  // /dev/shm) a sparse segment would fail later with SIGBUS, not an error.
-  if (create) {
-    const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(map_bytes_));
-    if (rc != 0) {
-      ::close(fd);
-      ::shm_unlink(name.c_str());
-      MAPP_FAIL_BACKEND("reserving ", map_bytes_, " bytes of shared memory '", name,
-                        "' failed: ", std::strerror(rc),
-                        " (is /dev/shm large enough? lower MAPP_SHM_SLOT_BYTES or set "
-                        "MAPP_SHM_COLLECTIVES=0)");
-    }
-  }
-  struct stat st {};
-  if (!create && (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != map_bytes_)) {
-    ::close(fd);
-    MAPP_FAIL_BACKEND("shared memory '", name, "' has ", st.st_size, " bytes, expected ",
-                      map_bytes_, ": members disagree on the group size or MAPP_SHM_SLOT_BYTES");
-  }
-  base_ = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (base_ == MAP_FAILED) {
-    base_ = nullptr;
-    if (create) ::shm_unlink(name.c_str());
-    MAPP_FAIL_BACKEND("mmap of shared memory '", name, "' (", map_bytes_,
-                      " bytes) failed: ", errno_text());
-  }
+  segment_ = std::make_unique<shm::Segment>(
+      name, header_bytes_ + 2 * static_cast<std::size_t>(world) * slot_bytes, create,
+      "shared-memory group");
+  base_ = segment_->base();
   if (create) {
     header_ = new (base_) Header();
     header_->world = static_cast<std::uint32_t>(world);
@@ -168,42 +107,17 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
                slot_bytes, " bytes (found world ", header_->world, ", slot ", header_->slot_bytes,
                "): every member must use the same settings");
   }
-  unlinked_ = !create;
-  Member& me = members()[rank_];
-  me.pid_ns = own_pid_namespace();
-  me.pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
+  shm::register_member(members(), rank_);
 }
 
-ShmGroup::Member* ShmGroup::members() const {
-  return reinterpret_cast<Member*>(static_cast<std::uint8_t*>(base_) + sizeof(Header) +
+shm::Member* ShmGroup::members() const {
+  return reinterpret_cast<shm::Member*>(static_cast<std::uint8_t*>(base_) + sizeof(Header) +
                                    2 * static_cast<std::size_t>(world_) * sizeof(Call));
 }
 
-int ShmGroup::dead_member(std::int32_t* pid) const {
-  const Member* m = members();
-  const std::uint64_t ns = m[rank_].pid_ns;
-  if (ns == 0) return -1;  // no way to tell whose pids these are
-  for (int i = 0; i < world_; ++i) {
-    const std::int32_t p = m[i].pid.load(std::memory_order_acquire);
-    // Only members in our pid namespace: a pid means the same process there.
-    if (i == rank_ || p <= 0 || m[i].pid_ns != ns) continue;
-    if (::kill(p, 0) != 0 && errno == ESRCH) {
-      *pid = p;
-      return i;
-    }
-  }
-  return -1;
-}
+ShmGroup::~ShmGroup() = default;
 
-ShmGroup::~ShmGroup() {
-  if (base_ != nullptr) ::munmap(base_, map_bytes_);
-  if (!unlinked_) ::shm_unlink(name_.c_str());
-}
-
-void ShmGroup::unlink() {
-  if (!unlinked_) ::shm_unlink(name_.c_str());
-  unlinked_ = true;
-}
+void ShmGroup::unlink() { segment_->unlink(); }
 
 std::uint8_t* ShmGroup::slot(int area, int member) const {
   return static_cast<std::uint8_t*>(base_) + header_bytes_ +
@@ -238,7 +152,7 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
                         "is stuck, or issued a different collective (MAPP_COLLECTIVE_TIMEOUT_S)");
     }
     std::int32_t pid = 0;
-    if (const int dead = dead_member(&pid); dead >= 0) {
+    if (const int dead = shm::dead_member(members(), world_, rank_, &pid); dead >= 0) {
       broken_ = true;
       MAPP_FAIL_BACKEND(op, " on shared-memory group '", name_, "' (member ", rank_, " of ", world_,
                         "): member ", dead, " (pid ", pid,

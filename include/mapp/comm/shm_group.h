@@ -37,12 +37,15 @@
 #include <string>
 
 namespace mapp::comm {
+namespace shm {
+class Segment;
+struct Member;
+}  // namespace shm
 
 class ShmGroup {
  public:
   struct Header;  // in the segment; defined in shm_group.cc
   struct Call;    // a member's announced collective, checked against the others
-  struct Member;  // a member's pid, to notice a member that died
   // `add(dst, src, bytes)` adds the elements at `src` into those at `dst`.
   using Reduce = std::function<void(void* dst, const void* src, std::size_t bytes)>;
 
@@ -82,8 +85,7 @@ class ShmGroup {
   std::uint8_t* slot(int area, int member) const;
   void barrier(const char* op, std::chrono::steady_clock::time_point deadline);
   Call* calls(int set) const;
-  Member* members() const;
-  int dead_member(std::int32_t* pid) const;  // a member whose process is gone, or -1
+  shm::Member* members() const;
   int announce(std::uint32_t op, std::size_t bytes, std::size_t elem);  // returns its set
   void verify(int set);  // throws StateError when the members' calls differ
 
@@ -92,12 +94,11 @@ class ShmGroup {
   int world_;
   std::size_t slot_bytes_;
   std::size_t header_bytes_ = 0;
-  std::size_t map_bytes_ = 0;
+  std::unique_ptr<shm::Segment> segment_;
   void* base_ = nullptr;
   Header* header_ = nullptr;
   std::uint64_t piece_ = 0;  // pieces moved so far; picks the area
   std::uint64_t ops_ = 0;    // collectives announced so far; picks the call set
-  bool unlinked_ = false;
   bool broken_ = false;  // a barrier timed out: members are out of step
   std::mutex mu_;        // one collective at a time per process
 };
