@@ -127,27 +127,39 @@ def node_identity() -> str:
                      inode("/dev/shm"), inode("/proc/self/ns/net")])
 
 
-def enable_shared_memory(group: dist.ProcessGroup) -> bool:
+def _shm_ops(p2p: bool):
+    """(attach, unlink, detach, attached) of the collectives or the p2p transport."""
+    ops = torch.ops.mapp
+    if p2p:
+        return ops.shm_p2p_attach, ops.shm_p2p_unlink, ops.shm_p2p_detach, ops.shm_p2p_attached
+    return ops.shm_attach, ops.shm_unlink, ops.shm_detach, ops.shm_attached
+
+
+def enable_shared_memory(group: dist.ProcessGroup, *, p2p: bool = False) -> bool:
     """Moves this group's CPU collectives (all_reduce_sum_, all_gather,
     reduce_scatter_sum and the layers built on them) through one shared-memory
-    segment when every member runs on this node; a no-op returning False for a
-    group of one, a group spanning nodes, a non-Gloo group (NCCL has its own
-    intra-node transports), or ``MAPP_SHM_COLLECTIVES=0``. Collective: every
-    member must call it. If any member cannot map the segment, every member
-    stays on the backend and a warning says why."""
+    segment when every member runs on this node; with ``p2p=True`` instead
+    attaches the point-to-point transport the pipeline executor sends
+    activations and gradients through (``torch.ops.mapp.shm_isend/shm_irecv``).
+    A no-op returning False for a group of one, a group spanning nodes, a
+    non-Gloo group (NCCL has its own intra-node transports), or
+    ``MAPP_SHM_COLLECTIVES=0``. Collective: every member must call it. If any
+    member cannot map the segment, every member stays on the backend and a
+    warning says why."""
     if group is None or group.size() == 1 or os.environ.get("MAPP_SHM_COLLECTIVES", "1") == "0":
         return False
     if dist.get_backend(group) != "gloo":
         return False
+    attach, unlink, detach, _ = _shm_ops(p2p)
     idents: list = [None] * group.size()
     dist.all_gather_object(idents, node_identity(), group=group)
     if len(set(idents)) != 1:
         return False
     name, err = None, None
     if group.rank() == 0:
-        name = f"/mapp-{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"/mapp-{'p2p-' if p2p else ''}{os.getpid()}-{secrets.token_hex(6)}"
         try:
-            torch.ops.mapp.shm_attach(group.group_name, name, True)
+            attach(group.group_name, name, True)
         except RuntimeError as e:
             name, err = None, str(e)
     box = [name, err]
@@ -155,31 +167,33 @@ def enable_shared_memory(group: dist.ProcessGroup) -> bool:
     name, err = box
     if name is not None and group.rank() != 0:
         try:
-            torch.ops.mapp.shm_attach(group.group_name, name, False)
+            attach(group.group_name, name, False)
         except RuntimeError as e:
             err = str(e)
     errs: list = [None] * group.size()
     dist.all_gather_object(errs, err, group=group)  # every member has opened (or failed)
     if group.rank() == 0 and name is not None:
-        torch.ops.mapp.shm_unlink(group.group_name)
+        unlink(group.group_name)
     failed = [e for e in errs if e]
     if failed:
-        torch.ops.mapp.shm_detach(group.group_name)
-        warnings.warn(f"shared-memory collectives unavailable on group {group.group_name} "
+        detach(group.group_name)
+        what = "send/recv" if p2p else "collectives"
+        warnings.warn(f"shared-memory {what} unavailable on group {group.group_name} "
                       f"({failed[0]}); using the Gloo backend", stacklevel=2)
         return False
     return True
 
 
 def disable_shared_memory(group: dist.ProcessGroup) -> None:
-    """Sends this group's collectives back to its backend (not collective)."""
+    """Sends this group's collectives and send/recv back to its backend (not
+    collective)."""
     if group is not None:
-        torch.ops.mapp.shm_detach(group.group_name)
+        for p2p in (False, True):
+            _shm_ops(p2p)[2](group.group_name)
 
 
-def shared_memory_enabled(group: dist.ProcessGroup) -> bool:
-    return group is not None and bool(torch.ops.mapp.shm_attached(group.group_name))
-
+def shared_memory_enabled(group: dist.ProcessGroup, *, p2p: bool = False) -> bool:
+    return group is not None and bool(_shm_ops(p2p)[3](group.group_name))
 
 
 def _new_groups(grid: RankGrid, rank: int, axes: list[str], backend=None):
@@ -265,6 +279,8 @@ def create_parallel_state(
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
     for g in (tp_group, dp_group, mp_group, emb_group):
         enable_shared_memory(g)
+    # ... and the pipeline's activations and gradients between stages.
+    enable_shared_memory(pp_group, p2p=True)
     return ParallelState(
         grid=grid,
         rank=rank,

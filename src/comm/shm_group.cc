@@ -21,7 +21,7 @@ using shm::cpu_relax;
 using shm::futex;
 
 constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
-constexpr int kSpins = 256;  // busy polls before yielding
+constexpr int kSpins = 256;                              // busy polls before yielding
 constexpr int kYields = 16;  // sched_yield polls before sleeping on the futex
 
 }  // namespace
@@ -112,7 +112,7 @@ ShmGroup::ShmGroup(const std::string& name, int rank, int world, std::size_t slo
 
 shm::Member* ShmGroup::members() const {
   return reinterpret_cast<shm::Member*>(static_cast<std::uint8_t*>(base_) + sizeof(Header) +
-                                   2 * static_cast<std::size_t>(world_) * sizeof(Call));
+                                        2 * static_cast<std::size_t>(world_) * sizeof(Call));
 }
 
 ShmGroup::~ShmGroup() = default;

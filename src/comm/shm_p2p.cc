@@ -16,8 +16,8 @@ namespace mapp::comm {
 namespace {
 
 constexpr std::uint64_t kMagic = 0x4d41505050325031ULL;  // "MAPPP2P1"
-constexpr int kSpins = 256;  // busy polls before yielding
-constexpr int kYields = 16;  // sched_yield polls before sleeping on the doorbell
+constexpr int kSpins = 256;                              // busy polls before yielding
+constexpr int kYields = 16;         // sched_yield polls before sleeping on the doorbell
 constexpr std::size_t kLabel = 64;  // a slot's label, before its bytes
 
 // A member's doorbell: peers bump `word` after they wrote to or freed a slot
@@ -62,7 +62,8 @@ struct ShmP2P::Op {
 namespace {
 
 std::size_t header_bytes(int world) {
-  return shm::round_to_page(sizeof(ShmP2P::Header) + static_cast<std::size_t>(world) * sizeof(Bell) +
+  return shm::round_to_page(sizeof(ShmP2P::Header) +
+                            static_cast<std::size_t>(world) * sizeof(Bell) +
                             static_cast<std::size_t>(world) * sizeof(shm::Member));
 }
 
@@ -131,8 +132,8 @@ shm::Member* ShmP2P::members() const {
 }
 
 ShmP2P::Slot* ShmP2P::slot(int src, int dst, int i) const {
-  const std::size_t pair =
-      static_cast<std::size_t>(src) * (world_ - 1) + static_cast<std::size_t>(dst < src ? dst : dst - 1);
+  const std::size_t pair = static_cast<std::size_t>(src) * (world_ - 1) +
+                           static_cast<std::size_t>(dst < src ? dst : dst - 1);
   return reinterpret_cast<Slot*>(static_cast<std::uint8_t*>(base_) + header_bytes_ +
                                  (pair * slots_ + i) * stride_);
 }
@@ -140,7 +141,8 @@ ShmP2P::Slot* ShmP2P::slot(int src, int dst, int i) const {
 void ShmP2P::ring(int member) {
   Bell& b = static_cast<Bell*>(bells())[member];
   b.word.fetch_add(1, std::memory_order_seq_cst);
-  if (b.sleepers.load(std::memory_order_seq_cst) > 0) shm::futex(&b.word, FUTEX_WAKE, INT_MAX, nullptr);
+  if (b.sleepers.load(std::memory_order_seq_cst) > 0)
+    shm::futex(&b.word, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
 ShmP2P::Handle ShmP2P::isend(const void* data, std::size_t bytes, int dst, std::uint32_t tag) {
@@ -313,13 +315,13 @@ void ShmP2P::wait(Handle h, std::chrono::milliseconds timeout) {
     }
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline)
-      MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ",
-                        world_, ") timed out: the peer died, is stuck, or never posts the "
+      MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ", world_,
+                        ") timed out: the peer died, is stuck, or never posts the "
                         "matching operation (MAPP_COLLECTIVE_TIMEOUT_S)");
     std::int32_t pid = 0;
     if (const int dead = shm::dead_member(members(), world_, rank_, &pid); dead >= 0)
-      MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ",
-                        world_, "): member ", dead, " (pid ", pid,
+      MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ", world_,
+                        "): member ", dead, " (pid ", pid,
                         ") has exited; the job cannot continue (see that rank's output for why "
                         "it stopped)");
     const auto left =

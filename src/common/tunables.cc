@@ -23,6 +23,11 @@ const std::vector<Tunable>& tunables() {
       {"MAPP_SHM_SLOT_BYTES", "2097152",
        "bytes each rank owns per area of a shared-memory group (two areas); larger tensors "
        "move in pieces of this size"},
+      {"MAPP_SHM_P2P_SLOT_BYTES", "524288",
+       "bytes per slot of the shared-memory pipeline send/recv rings (one ring per ordered "
+       "pair of pipeline ranks on a node); larger messages move in pieces of this size"},
+      {"MAPP_SHM_P2P_SLOTS", "4",
+       "slots per ring of the shared-memory pipeline send/recv transport"},
       // Fault injection (python/megatronapp/faults.py parses the values).
       {"MAPP_INJECT_SLOWDOWN", "",
        "fault injection: 'rank=R,factor=F[,phase=forward|backward|all]' makes rank R's "

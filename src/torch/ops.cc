@@ -14,6 +14,7 @@
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/compressed.h"
+#include "mapp/torch/shm_p2p.h"
 #include "mapp/tp/cross_entropy.h"
 #include "mapp/tp/dropout.h"
 #include "mapp/tp/softmax.h"
@@ -379,6 +380,28 @@ TORCH_LIBRARY(mapp, m) {
   m.def("shm_unlink(str group_name) -> ()", &mapp::torch_ext::shm_unlink);
   m.def("shm_detach(str group_name) -> ()", &mapp::torch_ext::shm_detach);
   m.def("shm_attached(str group_name) -> bool", &mapp::torch_ext::shm_attached);
+  // Pipeline send/recv through shared memory (shm_p2p.h).
+  using mapp::torch_ext::ShmWork;
+  m.class_<ShmWork>("ShmWork")
+      .def("wait",
+           [](const c10::intrusive_ptr<ShmWork>& w, std::int64_t timeout_ms) {
+             w->wait(timeout_ms);
+           },
+           "", {torch::arg("timeout_ms") = -1})
+      .def("is_completed", [](const c10::intrusive_ptr<ShmWork>& w) { return w->is_completed(); });
+  m.def(
+      "shm_isend(Tensor tensor, str group_name, int dst, int tag) -> "
+      "__torch__.torch.classes.mapp.ShmWork",
+      &mapp::torch_ext::shm_isend);
+  m.def(
+      "shm_irecv(Tensor(a!) tensor, str group_name, int src, int tag) -> "
+      "__torch__.torch.classes.mapp.ShmWork",
+      &mapp::torch_ext::shm_irecv);
+  m.def("shm_p2p_attach(str group_name, str shm_name, bool create) -> bool",
+        &mapp::torch_ext::shm_p2p_attach);
+  m.def("shm_p2p_unlink(str group_name) -> ()", &mapp::torch_ext::shm_p2p_unlink);
+  m.def("shm_p2p_detach(str group_name) -> ()", &mapp::torch_ext::shm_p2p_detach);
+  m.def("shm_p2p_attached(str group_name) -> bool", &mapp::torch_ext::shm_p2p_attached);
   m.def("vocab_ce_local_stats(Tensor logits, Tensor target, int vocab_start) -> Tensor");
   m.def("fused_dropout(Tensor self, float p, int seed) -> Tensor");
   m.def("scaled_causal_softmax(Tensor self, float scale) -> Tensor");

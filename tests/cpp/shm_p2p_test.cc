@@ -188,8 +188,8 @@ TEST(ShmP2P, TimeoutAndBadArgumentsAreClearErrors) {
   } catch (const BackendError& e) {
     EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(g->isend(&x, sizeof(x), 0, 0), ValueError);  // to itself
-  EXPECT_THROW(g->irecv(&x, sizeof(x), 2, 0), ValueError);  // no such member
+  EXPECT_THROW(g->isend(&x, sizeof(x), 0, 0), ValueError);         // to itself
+  EXPECT_THROW(g->irecv(&x, sizeof(x), 2, 0), ValueError);         // no such member
   EXPECT_THROW(ShmP2P::open(name, 1, 2, 512, 2), std::exception);  // other slot size
   EXPECT_THROW(ShmP2P::create(unique_name("bad2"), 0, 2, 100, 2), ValueError);
   g->unlink();

@@ -89,17 +89,18 @@ def _model_parallel_groups(rank, world, pp, env):
     st = mapp.initialize_model_parallel(tensor_model_parallel_size=2,
                                         pipeline_model_parallel_size=pp)
     return [S.shared_memory_enabled(g) for g in
-            (st.tensor_group, st.data_group, st.model_group, st.pipeline_group)]
+            (st.tensor_group, st.data_group, st.model_group, st.pipeline_group)] + [
+                S.shared_memory_enabled(st.pipeline_group, p2p=True)]
 
 
 def test_model_parallel_groups_use_shared_memory_by_default_and_can_opt_out():
-    # TP2 x PP2: tensor and model groups (data groups are single ranks; the
-    # pipeline's P2P does not go through these collectives).
-    assert run_ranks(_model_parallel_groups, 4, 2, {}) == [[True, False, True, False]] * 4
-    # TP2 x DP2: the data-parallel group too.
-    assert run_ranks(_model_parallel_groups, 4, 1, {}) == [[True, True, True, False]] * 4
-    assert (run_ranks(_model_parallel_groups, 4, 1, {"MAPP_SHM_COLLECTIVES": "0"})
-            == [[False] * 4] * 4)
+    # TP2 x PP2: tensor and model groups (data groups are single ranks), and
+    # the pipeline group's send/recv transport (not its collectives).
+    assert run_ranks(_model_parallel_groups, 4, 2, {}) == [[True, False, True, False, True]] * 4
+    # TP2 x DP2: the data-parallel group too; pipeline groups are single ranks.
+    assert run_ranks(_model_parallel_groups, 4, 1, {}) == [[True, True, True, False, False]] * 4
+    assert (run_ranks(_model_parallel_groups, 4, 2, {"MAPP_SHM_COLLECTIVES": "0"})
+            == [[False] * 5] * 4)
 
 
 def _other_node(rank, world):

@@ -99,8 +99,8 @@ class ShmGroup {
   Header* header_ = nullptr;
   std::uint64_t piece_ = 0;  // pieces moved so far; picks the area
   std::uint64_t ops_ = 0;    // collectives announced so far; picks the call set
-  bool broken_ = false;  // a barrier timed out: members are out of step
-  std::mutex mu_;        // one collective at a time per process
+  bool broken_ = false;      // a barrier timed out: members are out of step
+  std::mutex mu_;            // one collective at a time per process
 };
 
 }  // namespace mapp::comm

@@ -38,7 +38,7 @@ import torch
 
 from .. import autograd, faults
 from .. import trace as _trace
-from ..parallel_state import ParallelState, resolve_state
+from ..parallel_state import ParallelState, resolve_state, shared_memory_enabled
 from .schedules import Schedule
 
 __all__ = ["forward_backward", "GradSync", "PipelineResult"]
@@ -87,6 +87,10 @@ class _P2P:
         self.trace = _trace.full()
         self.p, self.m = schedule.stages, schedule.microbatches
         self.shape, self.dtype, self.device = shape, dtype, device
+        # On one node, CPU tensors move through shared memory (ShmP2P), not
+        # Gloo's TCP loopback; peers are addressed by stage = pipeline-group rank.
+        self.shm = (self.group is not None and (device is None or device.type == "cpu")
+                    and shared_memory_enabled(self.group, p2p=True))
         self.recvs: dict = {}
         # key -> (work, tensor): the tensor lives until the send is waited on
         self.sends: dict = {}
@@ -103,7 +107,10 @@ class _P2P:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         src, tag = self.ranks[peer], self.tag(*key)
         t0 = time.monotonic_ns()
-        work = dist.irecv(buf, src=src, group=self.group, tag=tag)
+        if self.shm:
+            work = torch.ops.mapp.shm_irecv(buf, self.group.group_name, peer, tag)
+        else:
+            work = dist.irecv(buf, src=src, group=self.group, tag=tag)
         if self.trace:  # a transfer cannot complete before its receive is posted
             _trace.record("recv_post", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1],
                           peer=src, group=f"p2p:{src}->{self.me}", seq=tag)
@@ -138,10 +145,16 @@ class _P2P:
                 f"dtype={self.dtype} were given; every stage boundary must match them")
         dst, tag = self.ranks[peer], self.tag(*key)
         t0 = time.monotonic_ns()
-        if self.delay is not None and self.delay["rank"] == self.me and self.delay["peer"] == dst:
-            work = _DelayedSend(tensor, dst, self.group, tag, self.delay["ms"] / 1e3)
+        if self.shm:
+            def issue(tensor=tensor, peer=peer, tag=tag, name=self.group.group_name):
+                return torch.ops.mapp.shm_isend(tensor, name, peer, tag)
         else:
-            work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+            def issue(tensor=tensor, dst=dst, tag=tag, group=self.group):
+                return dist.isend(tensor, dst=dst, group=group, tag=tag)
+        if self.delay is not None and self.delay["rank"] == self.me and self.delay["peer"] == dst:
+            work = _DelayedSend(issue, self.delay["ms"] / 1e3)
+        else:
+            work = issue()
         if self.trace:
             _trace.record("send", "p2p", t0, time.monotonic_ns(), lane=2, mb=key[1], peer=dst,
                           bytes=tensor.numel() * tensor.element_size(),
@@ -157,18 +170,18 @@ class _P2P:
 
 
 class _DelayedSend:
-    """An isend issued `delay` seconds later from a timer thread (fault
+    """A send `issue()`d `delay` seconds later from a timer thread (fault
     injection of a slow link: the sender does not wait)."""
 
-    def __init__(self, tensor, dst, group, tag, delay):
+    def __init__(self, issue, delay):
         self._work = None
         self._error = None
-        self._thread = threading.Timer(delay, self._issue, (tensor, dst, group, tag))
+        self._thread = threading.Timer(delay, self._issue, (issue,))
         self._thread.start()
 
-    def _issue(self, tensor, dst, group, tag):
+    def _issue(self, issue):
         try:
-            self._work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+            self._work = issue()
         except Exception as e:  # surfaced by wait()
             self._error = e
 
