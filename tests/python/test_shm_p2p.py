@@ -149,9 +149,9 @@ def test_schedules_through_shared_memory_match_gloo_bit_for_bit(schedule):
     shm = run_ranks(_pipeline, 4, schedule, {}, False)
     gloo = run_ranks(_pipeline, 4, schedule, {"MAPP_SHM_COLLECTIVES": "0"}, False)
     assert all(r[0] for r in shm) and not any(r[0] for r in gloo)
-    for a, b in zip(shm, gloo):
+    for a, b in zip(shm, gloo, strict=True):
         assert a[1] == b[1]
-        assert all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+        assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
     assert shm[-1][1], "the last stage reports losses"
 
 
@@ -160,6 +160,6 @@ def test_fault_injected_delayed_send_through_shared_memory():
     # waits on a shared-memory receive: no deadlock, same numbers.
     slow = run_ranks(_pipeline, 2, "1f1b", {}, True)
     fast = run_ranks(_pipeline, 2, "1f1b", {}, False)
-    for a, b in zip(slow, fast):
+    for a, b in zip(slow, fast, strict=True):
         assert a[0] and a[1] == b[1]
-        assert all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+        assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
