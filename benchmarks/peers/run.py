@@ -104,9 +104,9 @@ CONFIGS = {
     "ours-dp-exact": ("ours", "ours: TP2 x DP2, pool", TP2 + ["--memory-pool"], True),
     "ours-pp-1f1b": ("ours", "ours: TP2 x PP2 1F1B, pool", TP2 + PP2 + [
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
-    # The same with the tensor-parallel collectives on Gloo, not shared memory
-    # (the transport before 2026-12-02): the shared-memory gain, measured each run.
-    "ours-pp-1f1b-gloo": ("ours", "ours: TP2 x PP2 1F1B, pool, TP collectives on Gloo",
+    # The same with the collectives and pipeline send/recv on Gloo, not shared
+    # memory (the transport before 2026-12-02).
+    "ours-pp-1f1b-gloo": ("ours", "ours: TP2 x PP2 1F1B, pool, all on Gloo",
                           TP2 + PP2 + ["--pipeline-schedule", "1f1b", "--memory-pool",
                                        ENV_FLAG + "MAPP_SHM_COLLECTIVES=0"], True),
     "ours-pp": ("ours", "ours: TP2 x PP2 zero-bubble, pool", TP2 + PP2 + [
@@ -120,6 +120,11 @@ CONFIGS = {
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    # The same with the pipeline's send/recv on Gloo (collectives still on
+    # shared memory): the shared-memory p2p gain, measured each run.
+    "ours-pp4-p2p-gloo": ("ours", "ours: PP4 zero-bubble, pool, pipeline send/recv on Gloo",
+                          PP4 + ["--pipeline-schedule", "zero-bubble", "--memory-pool",
+                                 ENV_FLAG + "MAPP_SHM_P2P=0"], True),
     "ours-pp-sp": ("ours", "ours: TP2 x PP2 zero-bubble, SP, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--sequence-parallel", "--memory-pool"], True),
 }
@@ -130,8 +135,8 @@ SUITES = {
               "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
     # make bench-step: ours against Megatron-Core, like for like (issue 26).
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
-             "ours-pp-1f1b", "ours-pp-1f1b-gloo", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b",
-             "ours-pp4"],
+             "ours-pp-1f1b", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b", "ours-pp4",
+             "ours-pp4-p2p-gloo"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
