@@ -26,6 +26,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..comm import Compression
+from ..data.tokenizers import TOKENIZER_TYPES
 from ..models.gpt import check_recompute
 from ..pipeline import SCHEDULES, make_schedule
 from ..pipeline.layout import layer_layout, parse_layout
@@ -172,7 +173,42 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    data_path: str | None = _flag(None, "text file (default: bundled KJV excerpt)")
+    data_path: str | None = _flag(
+        None, "a Megatron indexed dataset prefix (PREFIX.bin/.idx, from python -m "
+        "megatronapp.data.preprocess), weighted prefixes 'W1 P1 W2 P2 ...', or one plain text "
+        "file (tokenized in memory); default: the bundled KJV excerpt", nargs="+",
+        metavar="PATH")
+    split: str = _flag("969,30,1", "train,valid,test weights of each indexed dataset's documents")
+    data_cache_path: str | None = _flag(
+        None, "where the sample indices are cached (default: PREFIX's directory/cache)",
+        metavar="DIR")
+    tokenizer_type: str = _flag("ByteTokenizer", "tokenizer of plain-text --data-path "
+                                "(indexed datasets were tokenized by preprocess)",
+                                choices=TOKENIZER_TYPES)
+    vocab_file: str | None = _flag(None, "GPT2BPETokenizer: vocab.json", metavar="FILE")
+    merge_file: str | None = _flag(None, "GPT2BPETokenizer: merges.txt", metavar="FILE")
+    tokenizer_model: str | None = _flag(
+        None, "SentencePiece .model or Hugging Face tokenizer.json", metavar="FILE")
+    vocab_size: int | None = _flag(None, "NullTokenizer: number of token ids", metavar="N")
+
+    def paths(self) -> list[str] | None:
+        """--data-path as a list (a Config built in Python may hold one string)."""
+        p = self.data_path
+        return [p] if isinstance(p, str) else (list(p) if p else None)
+
+    def is_indexed(self) -> bool:
+        """Whether --data-path names indexed datasets (else one text file / the default)."""
+        from ..data.indexed import exists
+
+        p = self.paths()
+        if not p:
+            return False
+        return not (len(p) == 1 and os.path.isfile(p[0]) and not exists(p[0]))
+
+    def tokenizer_kwargs(self) -> dict:
+        return dict(tokenizer_type=self.tokenizer_type, vocab_file=self.vocab_file,
+                    merge_file=self.merge_file, tokenizer_model=self.tokenizer_model,
+                    vocab_size=self.vocab_size)
 
 
 @dataclass
@@ -377,10 +413,31 @@ class Config:
             raise ConfigError(f"--trace-interval must be >= 1, got {tr.trace_interval}")
         if tr.trace_detect_interval and not tr.trace:
             raise ConfigError("--trace-detect-interval needs --trace")
-        data = self.data.data_path
-        if data is not None and not os.path.isfile(data):
-            raise ConfigError(f"--data-path {data}: no such file")
+        self._check_data()
         return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+
+    def _check_data(self) -> None:
+        from ..data.gpt_dataset import parse_data_path, parse_split
+        from ..data.indexed import exists
+
+        d = self.data
+        paths = d.paths()
+        if not paths:
+            return
+        if not d.is_indexed():
+            return
+        try:
+            parse_split(d.split)
+            _, prefixes = parse_data_path(paths)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for p in prefixes:
+            if not exists(p):
+                what = "a text file or an indexed dataset" if len(paths) == 1 else \
+                    "an indexed dataset"
+                raise ConfigError(
+                    f"--data-path {p}: not {what} ({p}.idx / {p}.bin not found; make them "
+                    "with python -m megatronapp.data.preprocess --input FILE --output-prefix P)")
 
     def _check_precision_and_recompute(self, sequence_parallel: bool) -> None:
         """--bf16/--fp16 and the loss scaler, recomputation, dropout, the memory limit."""

@@ -103,6 +103,11 @@ def resume(run: Run) -> None:
             print(f"[megatronapp] no checkpoint in {path}; starting from scratch", flush=True)
         return
     run.start_iteration = info["iteration"]
+    # The data continues with the next sample (Megatron's consumed_train_samples);
+    # a checkpoint without the count consumed iteration x global batch.
+    gbs = run.config.optim.global_batch_size
+    consumed = int(info["extra"].get("consumed_samples", run.start_iteration * gbs))
+    run.sample_offset = consumed - run.start_iteration * gbs
     run.extra.update(resumed_from=info["path"], same_layout=info["same_layout"])
     scaler = getattr(run.optimizer, "grad_scaler", None)
     if scaler is not None and "grad_scaler" in info["extra"]:  # fp16: the loss scale goes on
@@ -116,7 +121,8 @@ def save(run: Run, iteration: int, hooks=()) -> int:
     scaler = getattr(run.optimizer, "grad_scaler", None)
     checkpoint.save(run.config.checkpoint.save, iteration, run.chunks, run.optimizer,
                     config=run.checkpoint_model_config(),
-                    extra={"consumed_samples": iteration * optim.global_batch_size,
+                    extra={"consumed_samples": run.sample_offset
+                           + iteration * optim.global_batch_size,
                            "seed": optim.seed,
                            **({"grad_scaler": scaler.state_dict()} if scaler else {})},
                     parallel_state=run.state, async_save=run.config.checkpoint.async_save)

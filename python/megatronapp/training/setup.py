@@ -28,7 +28,8 @@ import torch
 from .. import _collectives, memory
 from .. import parallel_state as ps
 from ..comm import Compression
-from ..data import TextDataset, default_corpus, padded_vocab_size
+from ..data import TextDataset, build_tokenizer, default_corpus, padded_vocab_size
+from ..data.gpt_dataset import GPTData
 from ..data_parallel import DistributedDataParallel
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
@@ -55,13 +56,17 @@ class Run:
     world: int
     state: ParallelState
     device: torch.device
-    dataset: TextDataset
+    dataset: TextDataset | GPTData
     model_config: GPTConfig
     chunks: list  #: this rank's model chunks, DDP-wrapped
     optimizer: object
     schedule: object  #: Schedule or AdaptiveSchedule
     activation_shape: tuple  #: of the tensors between pipeline stages
     start_iteration: int = 0
+    #: training samples consumed before iteration 0 of this process's count
+    #: (a resumed run's checkpoint says how many; global batch k starts at
+    #: sample_offset + k * global batch size)
+    sample_offset: int = 0
     extra: dict = field(default_factory=dict)  #: hooks may keep their state here
 
     def checkpoint_model_config(self) -> dict:
@@ -279,6 +284,21 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95))
 
 
+def build_dataset(config: Config):
+    """--data-path: indexed datasets (GPTData: blends, splits, cached indices,
+    identical on every rank) or one text file / the bundled corpus
+    (TextDataset), tokenized by the --tokenizer-type flags."""
+    d, o = config.data, config.optim
+    tokenizer = build_tokenizer(**d.tokenizer_kwargs())
+    if d.is_indexed():
+        return GPTData(d.paths(), d.split, config.model.seq_length, o.seed,
+                       train_samples=o.train_iters * o.global_batch_size,
+                       eval_samples=o.eval_iters * o.global_batch_size, tokenizer=tokenizer,
+                       cache_dir=d.data_cache_path)
+    return TextDataset((d.paths() or [default_corpus()])[0], config.model.seq_length,
+                       tokenizer=tokenizer)
+
+
 def build_run(config: Config, hooks=()) -> Run:
     """Process group, checks, grid, data, model, DDP, optimizer, schedule (the
     memory pool, if wanted, is installed before: :func:`install_memory_pool`).
@@ -291,8 +311,8 @@ def build_run(config: Config, hooks=()) -> Run:
     for h in hooks:
         h.on_setup(config, state, rank, world, device)
     torch.manual_seed(config.optim.seed)  # same on every rank: the master weights agree
-    dataset = TextDataset(config.data.data_path or default_corpus(), config.model.seq_length)
-    cfg = gpt_config(config, state, dataset.tokenizer.vocab_size)
+    dataset = build_dataset(config)
+    cfg = gpt_config(config, state, dataset.vocab_size)
     modules = build_model_chunks(config, plan, state, cfg, device)
     # Dropout: the default generator alike over the tensor group, the tracked
     # tensor-parallel state per tensor rank, both per stage (Megatron's

@@ -57,8 +57,10 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     the mean loss over the global batch (the same on every rank)."""
     cfg, state = run.config, run.state
     with tracing.scope("data", "data", lane=0):
-        tokens, labels = run.dataset.global_batch(split, it, cfg.optim.global_batch_size,
-                                                  cfg.optim.seed)
+        gbs = cfg.optim.global_batch_size
+        first = run.sample_offset + it * gbs if split == "train" else None
+        tokens, labels = run.dataset.global_batch(split, it, gbs, cfg.optim.seed,
+                                                  first_sample=first)
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
     device = run.device
@@ -108,7 +110,10 @@ def train_step(run, it: int) -> StepResult:
 
 
 def evaluate(run) -> list:
-    """Validation loss of each of the ``--eval-iters`` validation batches."""
+    """Validation loss of each of the ``--eval-iters`` validation batches (none
+    when ``--split`` gives the validation split no documents)."""
+    if not run.dataset.has_split("valid"):
+        return []
     for c in run.chunks:
         c.eval()
     try:

@@ -1,13 +1,17 @@
-"""A tiny, download-free data pipeline for the examples and tests.
+"""Data: the demo's download-free text stream and the real pipeline.
 
-* :class:`ByteTokenizer` — UTF-8 bytes as tokens (vocabulary 256). Nothing to
-  download, nothing to train, and every text round-trips.
 * :class:`TextDataset` — a token stream from one text file, split into train and
   validation ranges. Batches are drawn by a generator seeded with
   (seed, split, iteration), so every rank — whatever the parallel
   configuration — sees the same global batch at the same iteration, and each
   data-parallel rank takes its own rows. That makes runs at different
   (tp, dp) directly comparable.
+* The real pipeline (docs/data.md): Megatron's ``.bin``/``.idx`` indexed
+  datasets (:mod:`.indexed`), made by ``python -m megatronapp.data.preprocess``;
+  GPT samples across document boundaries with cached, rank-identical indices,
+  weighted blends and train/valid/test splits (:mod:`.gpt_dataset`); tokenizers
+  with Megatron's names (:mod:`.tokenizers`: byte-level, GPT-2 BPE,
+  SentencePiece, Hugging Face ``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -16,15 +20,10 @@ import os
 
 import torch
 
+from .tokenizers import ByteTokenizer, build_tokenizer
 
-class ByteTokenizer:
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+__all__ = ["ByteTokenizer", "TextDataset", "build_tokenizer", "default_corpus",
+           "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
@@ -37,7 +36,8 @@ def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: 
 def default_corpus() -> str:
     """Path of the public-domain corpus shipped inside the package
     (``megatronapp/assets/kjv_excerpt.txt``; see the README there)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "kjv_excerpt.txt")
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(package, "assets", "kjv_excerpt.txt")
     if not os.path.exists(path):
         raise FileNotFoundError(f"the bundled corpus {path} is missing (a broken installation?); "
                                 "reinstall megatronapp or pass --data-path FILE")
@@ -51,7 +51,11 @@ class TextDataset:
             raise FileNotFoundError(f"data file {path!r} does not exist")
         self.tokenizer = tokenizer or ByteTokenizer()
         with open(path, encoding="utf-8") as f:
-            tokens = self.tokenizer.encode(f.read())
+            text = f.read()
+        if isinstance(self.tokenizer, ByteTokenizer):
+            tokens = self.tokenizer.encode(text)
+        else:
+            tokens = torch.tensor(self.tokenizer.tokenize(text), dtype=torch.long)
         n_valid = int(len(tokens) * valid_fraction)
         self.splits = {"train": tokens[: len(tokens) - n_valid], "valid": tokens[len(tokens) - n_valid:]}
         self.seq_length = seq_length
@@ -61,8 +65,21 @@ class TextDataset:
                     f"{name} split of {path!r} has {len(t)} tokens, fewer than seq_length+1 "
                     f"({seq_length + 1}); use a larger file or a shorter --seq-length")
 
-    def global_batch(self, split: str, iteration: int, global_batch_size: int, seed: int):
-        """(tokens, labels), each [global_batch_size, seq_length] int64."""
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def has_split(self, split: str) -> bool:
+        return split in self.splits
+
+    def global_batch(self, split: str, iteration: int, global_batch_size: int, seed: int,
+                     first_sample: int | None = None):
+        """(tokens, labels), each [global_batch_size, seq_length] int64: random
+        windows keyed by (seed, split, batch number); the batch number is
+        ``first_sample // global_batch_size`` when given (a resumed run's
+        position), else `iteration`."""
+        if first_sample is not None:
+            iteration = first_sample // global_batch_size
         stream = self.splits[split]
         # A fixed mix (not hash(): Python salts string hashes per process).
         mixed = (seed * 1_000_003 + iteration * 2 + (split == "valid")) & 0x7FFFFFFFFFFF
