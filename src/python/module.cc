@@ -14,10 +14,10 @@
 #include "mapp/memory/trace.h"
 #include "mapp/pipeline/schedule.h"
 #include "mapp/topology/rank_grid.h"
+#include "mapp/trace/tracer.h"
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
-#include "mapp/trace/tracer.h"
 
 namespace py = pybind11;
 
@@ -26,25 +26,20 @@ namespace {
 void register_common(py::module_& m) {
   py::register_exception<mapp::StateError>(m, "StateError", PyExc_RuntimeError);
   py::register_exception<mapp::BackendError>(m, "BackendError", PyExc_RuntimeError);
-  m.def(
-      "log",
-      [](const std::string& level, const std::string& msg) {
-        mapp::log(mapp::parse_log_level(level), msg);
-      },
-      py::arg("level"), py::arg("message"));
-  m.def("set_log_level",
-        [](const std::string& level) { mapp::set_log_level(mapp::parse_log_level(level)); });
-  m.def(
-      "tunables",
-      [] {
-        py::list out;
-        for (const auto& t : mapp::tunables()) {
-          out.append(
-              py::make_tuple(t.name, mapp::tunable_string(t.name), t.default_value, t.meaning));
-        }
-        return out;
-      },
-      "[(name, value, default, meaning)] for every MAPP_* variable");
+  m.def("log", [](const std::string& level, const std::string& msg) {
+    mapp::log(mapp::parse_log_level(level), msg);
+  }, py::arg("level"), py::arg("message"));
+  m.def("set_log_level", [](const std::string& level) {
+    mapp::set_log_level(mapp::parse_log_level(level));
+  });
+  m.def("tunables", [] {
+    py::list out;
+    for (const auto& t : mapp::tunables()) {
+      out.append(py::make_tuple(t.name, mapp::tunable_string(t.name), t.default_value,
+                                t.meaning));
+    }
+    return out;
+  }, "[(name, value, default, meaning)] for every MAPP_* variable");
   m.def("describe_tunables", &mapp::describe_tunables);
   m.def("tunable", &mapp::tunable_string, py::arg("name"),
         "value of a declared MAPP_* variable: the environment if set and non-empty, else "
@@ -61,9 +56,7 @@ void register_topology(py::module_& m) {
       .value("PIPELINE", mapp::Axis::kPipeline);
   py::class_<mapp::Coord>(m, "Coord")
       .def(py::init<>())
-      .def(py::init([](int tp, int cp, int dp, int pp) {
-             return mapp::Coord{tp, cp, dp, pp};
-           }),
+      .def(py::init([](int tp, int cp, int dp, int pp) { return mapp::Coord{tp, cp, dp, pp}; }),
            py::arg("tp"), py::arg("cp"), py::arg("dp"), py::arg("pp"))
       .def_readwrite("tp", &mapp::Coord::tp)
       .def_readwrite("cp", &mapp::Coord::cp)
@@ -89,18 +82,13 @@ void register_topology(py::module_& m) {
       .def_property_readonly("pp", &mapp::RankGrid::pp)
       .def("coord", &mapp::RankGrid::coord, py::arg("rank"))
       .def("rank", &mapp::RankGrid::rank, py::arg("coord"))
-      .def(
-          "group",
-          [to_axes](const mapp::RankGrid& g, int rank, const std::vector<std::string>& axes) {
-            return g.group(rank, to_axes(axes));
-          },
-          py::arg("rank"), py::arg("axes"), "ranks sharing all coordinates but `axes`")
-      .def(
-          "groups",
-          [to_axes](const mapp::RankGrid& g, const std::vector<std::string>& axes) {
-            return g.groups(to_axes(axes));
-          },
-          py::arg("axes"), "every group along `axes`; they partition the world")
+      .def("group", [to_axes](const mapp::RankGrid& g, int rank,
+                              const std::vector<std::string>& axes) {
+        return g.group(rank, to_axes(axes));
+      }, py::arg("rank"), py::arg("axes"), "ranks sharing all coordinates but `axes`")
+      .def("groups", [to_axes](const mapp::RankGrid& g, const std::vector<std::string>& axes) {
+        return g.groups(to_axes(axes));
+      }, py::arg("axes"), "every group along `axes`; they partition the world")
       .def("embedding_group", &mapp::RankGrid::embedding_group, py::arg("rank"))
       .def("__repr__", &mapp::RankGrid::describe);
 }
@@ -148,22 +136,18 @@ std::string replay_json(const std::string& path, const std::string& policy, bool
 
 void register_memory(py::module_& m) {
   py::register_exception<mapp::OutOfMemoryError>(m, "OutOfMemoryError", PyExc_MemoryError);
-  m.def(
-      "memory_install_cpu_pool",
-      [](const std::string& policy, bool expandable, double gc, long long thread_cache_bytes) {
-        mapp::torch_ext::install_cpu_pool(
-            policy_options(policy, expandable, gc, thread_cache_bytes));
-      },
-      py::arg("policy") = "ours", py::arg("expandable_segments") = true,
-      py::arg("gc_threshold") = 0.0, py::arg("thread_cache_bytes") = -1);
+  m.def("memory_install_cpu_pool", [](const std::string& policy, bool expandable, double gc,
+                                      long long thread_cache_bytes) {
+    mapp::torch_ext::install_cpu_pool(policy_options(policy, expandable, gc, thread_cache_bytes));
+  }, py::arg("policy") = "ours", py::arg("expandable_segments") = true,
+     py::arg("gc_threshold") = 0.0, py::arg("thread_cache_bytes") = -1);
   m.def("memory_restore_cpu_allocator", &mapp::torch_ext::restore_cpu_allocator);
   m.def("memory_cpu_pool_installed", [] { return mapp::torch_ext::cpu_pool() != nullptr; });
   auto pool = [] {
     mapp::CachingPool* p = mapp::torch_ext::cpu_pool();
     if (p == nullptr) {
-      throw mapp::StateError(
-          "the CPU memory pool is not installed; call "
-          "megatronapp.memory.use_pool('cpu') first");
+      throw mapp::StateError("the CPU memory pool is not installed; call "
+                             "megatronapp.memory.use_pool('cpu') first");
     }
     return p;
   };
@@ -177,17 +161,14 @@ void register_memory(py::module_& m) {
     return py::make_tuple(ok, why);
   });
   m.def("memory_staging_stats_json", [] { return mapp::torch_ext::staging_pool().stats_json(); });
-  m.def(
-      "memory_load_trace",
-      [](const std::string& path) {
-        const mapp::AllocTrace t = mapp::AllocTrace::load(path);
-        py::list out;
-        for (const auto& e : t.events) {
-          out.append(py::make_tuple(static_cast<int>(e.op), e.id, e.size, e.stream));
-        }
-        return out;
-      },
-      py::arg("path"), "[(op, id, size, stream)]: op 1 alloc, 2 free, 3 record_stream, 4 release");
+  m.def("memory_load_trace", [](const std::string& path) {
+    const mapp::AllocTrace t = mapp::AllocTrace::load(path);
+    py::list out;
+    for (const auto& e : t.events) {
+      out.append(py::make_tuple(static_cast<int>(e.op), e.id, e.size, e.stream));
+    }
+    return out;
+  }, py::arg("path"), "[(op, id, size, stream)]: op 1 alloc, 2 free, 3 record_stream, 4 release");
   m.def("memory_start_cpu_trace", &mapp::torch_ext::start_cpu_trace);
   m.def("memory_stop_cpu_trace", &mapp::torch_ext::stop_cpu_trace, py::arg("path"));
   m.def("memory_replay", &replay_json, py::arg("path"), py::arg("policy") = "ours",
@@ -231,11 +212,9 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("peer", &pl::Action::peer)
       .def_property_readonly("is_compute", &pl::Action::is_compute)
       .def("__eq__", &pl::Action::operator==)
-      .def("__hash__",
-           [](const pl::Action& a) {
-             return py::hash(
-                 py::make_tuple(static_cast<int>(a.type), a.microbatch, a.chunk, a.peer));
-           })
+      .def("__hash__", [](const pl::Action& a) {
+        return py::hash(py::make_tuple(static_cast<int>(a.type), a.microbatch, a.chunk, a.peer));
+      })
       .def("__repr__", [](const pl::Action& a) { return pl::to_string(a); });
   py::class_<pl::Schedule>(m, "Schedule")
       .def(py::init([](const std::string& name, int stages, int microbatches, int chunks,
@@ -251,14 +230,11 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("stages", &pl::Schedule::stages)
       .def_readonly("microbatches", &pl::Schedule::microbatches)
       .def_readonly("chunks", &pl::Schedule::chunks)
-      .def(
-          "actions",
-          [](const pl::Schedule& s, int stage) {
-            MAPP_CHECK(stage >= 0 && stage < s.stages, "stage ", stage, " out of range [0, ",
-                       s.stages, ")");
-            return s.actions[stage];
-          },
-          py::arg("stage"))
+      .def("actions", [](const pl::Schedule& s, int stage) {
+        MAPP_CHECK(stage >= 0 && stage < s.stages, "stage ", stage, " out of range [0, ",
+                   s.stages, ")");
+        return s.actions[stage];
+      }, py::arg("stage"))
       .def("peak_activations", &pl::Schedule::peak_activations, py::arg("stage"))
       .def("validate", [](const pl::Schedule& s) { return pl::validate(s); })
       .def("to_csv", &pl::to_csv)
@@ -280,14 +256,11 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("backward_input", &pl::Costs::backward_input)
       .def_readonly("backward_weight", &pl::Costs::backward_weight)
       .def_readonly("p2p", &pl::Costs::p2p);
-  m.def(
-      "dynamic",
-      [](int p, int mb, int v, const std::string& policy, std::optional<int> memory_limit,
-         std::optional<pl::Costs> costs) {
-        return pl::dynamic(p, mb, v, pl::parse_policy(policy), memory_limit, costs);
-      },
-      py::arg("p"), py::arg("m"), py::arg("v"), py::arg("policy"), py::arg("memory_limit"),
-      py::arg("costs"));
+  m.def("dynamic", [](int p, int mb, int v, const std::string& policy,
+                      std::optional<int> memory_limit, std::optional<pl::Costs> costs) {
+    return pl::dynamic(p, mb, v, pl::parse_policy(policy), memory_limit, costs);
+  }, py::arg("p"), py::arg("m"), py::arg("v"), py::arg("policy"), py::arg("memory_limit"),
+     py::arg("costs"));
   py::class_<pl::SimResult>(m, "SimResult")
       .def_readonly("makespan", &pl::SimResult::makespan)
       .def_readonly("bubble_fraction", &pl::SimResult::bubble_fraction)
@@ -295,8 +268,7 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("peak_activations", &pl::SimResult::peak_activations)
       .def_property_readonly("timeline", [](const pl::SimResult& r) {
         py::list out;
-        for (const auto& e : r.timeline)
-          out.append(py::make_tuple(e.stage, e.action, e.start, e.end));
+        for (const auto& e : r.timeline) out.append(py::make_tuple(e.stage, e.action, e.start, e.end));
         return out;
       });
   m.def("simulate", &pl::simulate, py::arg("schedule"), py::arg("costs"));
@@ -320,18 +292,15 @@ mapp::trace::Event make_event(const std::string& name, const std::string& catego
 void register_trace(py::module_& parent) {
   namespace tr = mapp::trace;
   auto m = parent.def_submodule("trace", "Tracer (C++ core)");
-  m.def(
-      "start",
-      [](int rank, const std::string& path, std::size_t capacity, int flush_interval_ms,
-         bool enabled) {
-        tr::TracerOptions o;
-        o.capacity = capacity;
-        o.flush_interval_ms = flush_interval_ms;
-        o.enabled = enabled;
-        tr::install(std::make_unique<tr::Tracer>(rank, path, o));
-      },
-      py::arg("rank"), py::arg("path"), py::arg("capacity") = 1 << 16,
-      py::arg("flush_interval_ms") = 200, py::arg("enabled") = true);
+  m.def("start", [](int rank, const std::string& path, std::size_t capacity,
+                    int flush_interval_ms, bool enabled) {
+    tr::TracerOptions o;
+    o.capacity = capacity;
+    o.flush_interval_ms = flush_interval_ms;
+    o.enabled = enabled;
+    tr::install(std::make_unique<tr::Tracer>(rank, path, o));
+  }, py::arg("rank"), py::arg("path"), py::arg("capacity") = 1 << 16,
+     py::arg("flush_interval_ms") = 200, py::arg("enabled") = true);
   m.def("stop", [] {
     py::gil_scoped_release release;
     tr::uninstall();
@@ -360,37 +329,36 @@ void register_trace(py::module_& parent) {
   });
   m.def("gpu_available", &mapp::torch_ext::gpu_timers_available);
   m.def("gpu_begin", &mapp::torch_ext::gpu_timer_begin);
-  m.def("gpu_end",
-        [](std::int64_t handle, const std::string& name, const std::string& category, int lane,
-           std::int64_t start_ns, std::int64_t end_ns, int microbatch, int chunk) {
-          tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
-          if (tr::global()) e.iteration = tr::global()->iteration();
-          mapp::torch_ext::gpu_timer_end(handle, e);
-        });
+  m.def("gpu_end", [](std::int64_t handle, const std::string& name, const std::string& category,
+                      int lane, std::int64_t start_ns, std::int64_t end_ns, int microbatch,
+                      int chunk) {
+    tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
+    if (tr::global()) e.iteration = tr::global()->iteration();
+    mapp::torch_ext::gpu_timer_end(handle, e);
+  });
   m.def("gpu_resolve", &mapp::torch_ext::resolve_gpu_timers,
         "records completed GPU timers; returns how many are pending");
   m.def("next_seq", &tr::next_seq, py::arg("group"));
   m.def("in_flight", &tr::in_flight, "the C++ collective in flight, or ''");
   m.def("reset_seqs", &tr::reset_seqs);
   // One call per finished scope (times from time.monotonic_ns, the same clock).
-  m.def(
-      "record",
-      [](const std::string& name, const std::string& category, int lane, std::int64_t start_ns,
-         std::int64_t end_ns, int microbatch, int chunk, int peer, std::int64_t bytes,
-         const std::string& group, std::int64_t seq, std::int64_t busy_ns) {
-        tr::Tracer* t = tr::global();
-        if (t == nullptr || !t->enabled()) return;
-        tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
-        e.peer = peer;
-        e.bytes = bytes;
-        e.set_group(group);
-        e.seq = seq;
-        e.busy_ns = busy_ns;
-        t->record(e);
-      },
-      py::arg("name"), py::arg("category"), py::arg("lane"), py::arg("start_ns"), py::arg("end_ns"),
-      py::arg("microbatch") = -1, py::arg("chunk") = -1, py::arg("peer") = -1,
-      py::arg("bytes") = -1, py::arg("group") = "", py::arg("seq") = -1, py::arg("busy_ns") = -1);
+  m.def("record", [](const std::string& name, const std::string& category, int lane,
+                     std::int64_t start_ns, std::int64_t end_ns, int microbatch, int chunk,
+                     int peer, std::int64_t bytes, const std::string& group, std::int64_t seq,
+                     std::int64_t busy_ns) {
+    tr::Tracer* t = tr::global();
+    if (t == nullptr || !t->enabled()) return;
+    tr::Event e = make_event(name, category, lane, start_ns, end_ns, microbatch, chunk);
+    e.peer = peer;
+    e.bytes = bytes;
+    e.set_group(group);
+    e.seq = seq;
+    e.busy_ns = busy_ns;
+    t->record(e);
+  }, py::arg("name"), py::arg("category"), py::arg("lane"), py::arg("start_ns"),
+     py::arg("end_ns"), py::arg("microbatch") = -1, py::arg("chunk") = -1, py::arg("peer") = -1,
+     py::arg("bytes") = -1, py::arg("group") = "", py::arg("seq") = -1,
+     py::arg("busy_ns") = -1);
 }
 
 }  // namespace
@@ -437,9 +405,8 @@ void register_data(py::module_& m) {
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() =
-      "MegatronApp native core (topology, tunables, logging); tensor ops are "
-      "torch.ops.mapp.*";
+  m.doc() = "MegatronApp native core (topology, tunables, logging); tensor ops are "
+            "torch.ops.mapp.*";
   register_common(m);
   register_topology(m);
   register_memory(m);
