@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -136,6 +136,10 @@ bench-peers: build peers
 # Intra-node transports side by side: Gloo vs our shared memory (p2p, all-reduce).
 bench-shm: build
 	$(PY) benchmarks/shm_transport.py
+
+# The GPT data loader vs Megatron-Core's on a 1 GB token file, and its share of the demo step.
+bench-data: build peers
+	$(PY) benchmarks/data_loader.py
 
 bench-step: build peers
 	$(PY) benchmarks/peers/run.py --suite step --iters 20 --warmup 5 --eval-interval 0 \

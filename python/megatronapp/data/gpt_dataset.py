@@ -32,7 +32,7 @@ import numpy as np
 from .indexed import IndexedDataset
 
 __all__ = ["GPTDataset", "BlendedDataset", "GPTData", "parse_split", "parse_data_path",
-           "split_range", "tokenizer_metadata"]
+           "split_range", "tokenizer_metadata", "covering_vocab_size"]
 
 SPLITS = ("train", "valid", "test")
 
@@ -86,6 +86,17 @@ def tokenizer_metadata(prefix: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def covering_vocab_size(prefixes: list[str], vocab_size: int) -> int:
+    """The embedding must cover every id in the data: our preprocess records
+    its tokenizer next to the data (the larger vocabulary wins); files made
+    elsewhere rely on the tokenizer flags."""
+    for p in prefixes:
+        meta = tokenizer_metadata(p)
+        if meta is not None:
+            vocab_size = max(vocab_size, int(meta["vocab_size"]))
+    return vocab_size
 
 
 def _dist():
@@ -248,7 +259,8 @@ class GPTData:
     is samples [k*B, (k+1)*B) of the valid split (the same each evaluation)."""
 
     def __init__(self, data_path: list[str], split: str, seq_length: int, seed: int, *,
-                 train_samples: int, eval_samples: int, tokenizer, cache_dir: str | None = None):
+                 train_samples: int, eval_samples: int, tokenizer, cache_dir: str | None = None,
+                 test_samples: int = 0):
         from .indexed import exists
 
         self.tokenizer, self.seq_length = tokenizer, seq_length
@@ -259,26 +271,30 @@ class GPTData:
                     f"--data-path {p}: {p}.idx / {p}.bin not found (make them with "
                     "python -m megatronapp.data.preprocess --input FILE --output-prefix ...)")
         indexed = [IndexedDataset(p) for p in prefixes]
-        # The embedding must cover every id in the data: our preprocess records
-        # its tokenizer next to the data; files made elsewhere rely on the flags.
-        self.vocab_size = tokenizer.vocab_size
-        for p in prefixes:
-            meta = tokenizer_metadata(p)
-            if meta is not None:
-                self.vocab_size = max(self.vocab_size, int(meta["vocab_size"]))
+        self.vocab_size = covering_vocab_size(prefixes, tokenizer.vocab_size)
         fractions = parse_split(split)
-        sizes = {"train": train_samples, "valid": eval_samples, "test": eval_samples}
+        sizes = {"train": train_samples, "valid": eval_samples, "test": test_samples}
         self.splits = {}
         for which, name in enumerate(SPLITS):
             if fractions[which] == 0 or sizes[name] == 0:
                 continue
             want = sizes[name]
+            ranges = [split_range(fractions, which, len(ds)) for ds in indexed]
+            if name != "train" and any(hi <= lo for lo, hi in ranges):
+                # --split rounds to no documents of some dataset: no such split
+                # (the trainer then skips evaluation), as with a weight of 0.
+                import warnings
+
+                warnings.warn(f"--split {split}: the {name} split of "
+                              f"{prefixes[[hi <= lo for lo, hi in ranges].index(True)]} has no "
+                              f"documents; no {name} data", stacklevel=2)
+                continue
             parts = []
-            for w, ds in zip(weights, indexed, strict=True):
+            for w, ds, rng in zip(weights, indexed, ranges, strict=True):
                 # each part a little larger than its share (Megatron: 0.5% surplus)
                 n = int(np.ceil(want * w * 1.005)) + 1
-                parts.append(GPTDataset(ds, split_range(fractions, which, len(ds)), n,
-                                        seq_length, seed, split=name, cache_dir=cache_dir))
+                parts.append(GPTDataset(ds, rng, n, seq_length, seed, split=name,
+                                        cache_dir=cache_dir))
             self.splits[name] = (parts[0] if len(parts) == 1 else
                                  BlendedDataset(parts, weights, want))
         if "train" not in self.splits:

@@ -393,11 +393,23 @@ def estimate(config, world_size: int | None = None, *, stage: int | None = None,
         world_size = f["tensor_model_parallel_size"] * f["pipeline_model_parallel_size"]
     x = _shape(f, world_size, vocab_size)
     if data_bytes is None:
-        from ..data import default_corpus
-
-        data_bytes = 8 * os.path.getsize(f.get("data_path") or default_corpus())
+        data_bytes = _resident_data_bytes(f.get("data_path"))
     stages = range(x.pp) if stage is None else [stage]
     return max((_stage(x, st, data_bytes) for st in stages), key=lambda bd: bd.total)
+
+
+def _resident_data_bytes(data_path) -> int:
+    """A text file is tokenized into memory (8 bytes a token, about one per
+    byte); indexed datasets are memory-mapped (page cache, shared, not ours)."""
+    from ..data import default_corpus
+    from ..data.indexed import exists
+
+    paths = [data_path] if isinstance(data_path, str) else list(data_path or [])
+    if not paths:
+        return 8 * os.path.getsize(default_corpus())
+    if len(paths) == 1 and os.path.isfile(paths[0]) and not exists(paths[0]):
+        return 8 * os.path.getsize(paths[0])
+    return 0
 
 
 def plan_recompute(config, world_size: int, limit_bytes: int, **kw):

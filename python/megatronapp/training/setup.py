@@ -136,6 +136,16 @@ def check_config(config: Config) -> Plan:
     return plan
 
 
+def data_vocab_size(config: Config) -> int:
+    """The vocabulary (before padding) the model will have: the tokenizer's,
+    or more if an indexed dataset's recorded tokenizer says so."""
+    from ..data.gpt_dataset import covering_vocab_size, parse_data_path
+
+    d = config.data
+    vocab = build_tokenizer(**d.tokenizer_kwargs()).vocab_size
+    return covering_vocab_size(parse_data_path(d.paths())[1], vocab) if d.is_indexed() else vocab
+
+
 def resolve_auto_recompute(config: Config, world: int):
     """--recompute-granularity auto: sets config.recompute to the least
     recomputation the planner finds fits --memory-limit-gb and returns its
@@ -147,7 +157,8 @@ def resolve_auto_recompute(config: Config, world: int):
     if rc.granularity() != "auto":
         return None
     gran, method, k, bd = plan_recompute(config.flat(), world,
-                                         int(config.memory.memory_limit_gb * 2**30))
+                                         int(config.memory.memory_limit_gb * 2**30),
+                                         vocab_size=data_vocab_size(config))
     rc.recompute_activations, rc.recompute_granularity = False, gran
     rc.recompute_method, rc.recompute_num_layers = method, k
     return bd
@@ -171,7 +182,7 @@ def apply_memory_limit(config: Config, world: int, verbose: bool = False) -> Non
             print(f"[memory] --recompute-granularity auto: {bd.recompute}{how}; planned peak "
                   f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}) of "
                   f"{config.memory.memory_limit_gb} GiB", flush=True)
-        bd = estimate(config, world)
+        bd = estimate(config, world, vocab_size=data_vocab_size(config))
     except MemoryLimitError as e:
         raise SystemExit(f"--memory-limit-gb {config.memory.memory_limit_gb}: {e}") from None
     par = config.parallel
@@ -181,7 +192,7 @@ def apply_memory_limit(config: Config, world: int, verbose: bool = False) -> Non
         room = limit - bd.static - bd.transient
         if per_unit > 0 and room >= per_unit:
             par.pipeline_memory_limit = int(room // per_unit)
-            bd = estimate(config, world)
+            bd = estimate(config, world, vocab_size=data_vocab_size(config))
             if verbose:
                 print(f"[memory] dynamic schedule: at most {par.pipeline_memory_limit} live "
                       "microbatch-chunks per stage", flush=True)
