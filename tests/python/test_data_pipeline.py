@@ -96,6 +96,14 @@ def test_trained_tokenizers_round_trip_through_jsonl(corpus, kind):
 
 
 def test_cli_and_clear_errors(corpus, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "megatronapp.data.train_tokenizer", "--input",
+                        corpus["txt"], "--vocab-size", "400", "--output-dir", str(tmp_path / "tok")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                str(tmp_path / "tok" / "vocab.json"), "--merge-file",
+                                str(tmp_path / "tok" / "merges.txt")]
+    assert "RuntimeWarning" not in p.stderr
     out = str(tmp_path / "cli")
     p = subprocess.run([sys.executable, "-m", "megatronapp.data.preprocess", "--input",
                         corpus["jsonl"], "--output-prefix", out, "--append-eod", "--workers", "2",

@@ -17,12 +17,11 @@ and ``detokenize(ids) -> str``.
 =========================  ==================================================
 
 :func:`train_tokenizer` trains a GPT-2-style BPE or a SentencePiece model on
-local files (``python -m megatronapp.data.tokenizers train ...``).
+local files (``python -m megatronapp.data.train_tokenizer ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 __all__ = ["ByteTokenizer", "TOKENIZER_TYPES", "build_tokenizer", "train_tokenizer"]
@@ -186,25 +185,3 @@ def train_tokenizer(tokenizer_type: str, files: list[str], vocab_size: int, outp
         return {"tokenizer_type": tokenizer_type, "tokenizer_model": prefix + ".model"}
     raise ValueError(f"train_tokenizer: cannot train a {tokenizer_type}; "
                      "use GPT2BPETokenizer or SentencePieceTokenizer")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m megatronapp.data.tokenizers",
-        description="Train a tokenizer on local text (no downloads).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train GPT-2 BPE or SentencePiece on text files")
-    t.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
-                            "GPTSentencePieceTokenizer"))
-    t.add_argument("--input", nargs="+", required=True, help="text files")
-    t.add_argument("--vocab-size", type=int, default=8192)
-    t.add_argument("--output-dir", required=True)
-    a = ap.parse_args(argv)
-    flags = train_tokenizer(a.tokenizer_type, a.input, a.vocab_size, a.output_dir)
-    print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
