@@ -336,7 +336,12 @@ def _train(rank, world, extra, out_dir):
 
 
 @pytest.mark.timeout(600)
-def test_training_on_a_blend_resumes_with_exactly_the_next_samples(tmp_path, corpus):
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--grad-compression",
+     "int8", "--pipeline-schedule", "zero-bubble"],
+], ids=["tp2xpp2", "tp2xdp2-zero1-int8"])
+def test_training_on_a_blend_resumes_with_exactly_the_next_samples(tmp_path, corpus, layout):
     from megatronapp.data.preprocess import preprocess
 
     a = preprocess([corpus["txt"]], str(tmp_path / "a"), append_eod=True,
@@ -345,7 +350,6 @@ def test_training_on_a_blend_resumes_with_exactly_the_next_samples(tmp_path, cor
                    progress=False)["outputs"]["text"]
     data = ["--data-path", "0.6", a, "0.4", b, "--split", "95,5,0",
             "--data-cache-path", str(tmp_path / "cache")]
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     ck = str(tmp_path / "ck")
     full = run_ranks(_train, 4, layout + data + ["--train-iters", "6", "--save", ck,
                                                  "--save-interval", "3"], str(tmp_path / "o1"))
