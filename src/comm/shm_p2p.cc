@@ -296,11 +296,13 @@ void ShmP2P::wait(Handle h, std::chrono::milliseconds timeout) {
   for (int i = 0;; ++i) {
     const std::uint32_t seen = bell.word.load(std::memory_order_seq_cst);
     std::string what;
+    int peer = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
       progress();
       if (take_if_done(h)) return;
       const Op& op = ops_.at(h);
+      peer = op.peer;
       what = std::string(op.send ? "send of " : "receive of ") + std::to_string(op.bytes) +
              " bytes " + (op.send ? "to" : "from") + " member " + std::to_string(op.peer) +
              " (tag " + std::to_string(op.tag) + ")";
@@ -318,10 +320,11 @@ void ShmP2P::wait(Handle h, std::chrono::milliseconds timeout) {
       MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ", world_,
                         ") timed out: the peer died, is stuck, or never posts the "
                         "matching operation (MAPP_COLLECTIVE_TIMEOUT_S)");
+    // Only the peer matters: other members may have finished and exited.
     std::int32_t pid = 0;
-    if (const int dead = shm::dead_member(members(), world_, rank_, &pid); dead >= 0)
+    if (shm::exited(members(), peer, rank_, &pid))
       MAPP_FAIL_BACKEND(what, " on shared-memory p2p '", name_, "' (member ", rank_, " of ", world_,
-                        "): member ", dead, " (pid ", pid,
+                        "): member ", peer, " (pid ", pid,
                         ") has exited; the job cannot continue (see that rank's output for why "
                         "it stopped)");
     const auto left =

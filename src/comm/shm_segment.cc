@@ -77,17 +77,21 @@ void register_member(Member* table, int rank) {
   table[rank].pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
 }
 
-int dead_member(const Member* table, int world, int self, std::int32_t* pid) {
+bool exited(const Member* table, int member, int self, std::int32_t* pid) {
   const std::uint64_t ns = table[self].pid_ns;
-  if (ns == 0) return -1;  // no way to tell whose pids these are
+  const std::int32_t p = table[member].pid.load(std::memory_order_acquire);
+  // Only a member in our pid namespace: a pid means the same process there.
+  if (member == self || ns == 0 || p <= 0 || table[member].pid_ns != ns) return false;
+  if (::kill(p, 0) != 0 && errno == ESRCH) {
+    *pid = p;
+    return true;
+  }
+  return false;
+}
+
+int dead_member(const Member* table, int world, int self, std::int32_t* pid) {
   for (int i = 0; i < world; ++i) {
-    const std::int32_t p = table[i].pid.load(std::memory_order_acquire);
-    // Only members in our pid namespace: a pid means the same process there.
-    if (i == self || p <= 0 || table[i].pid_ns != ns) continue;
-    if (::kill(p, 0) != 0 && errno == ESRCH) {
-      *pid = p;
-      return i;
-    }
+    if (exited(table, i, self, pid)) return i;
   }
   return -1;
 }

@@ -62,8 +62,11 @@ struct Member {
 // Records this process as member `rank` of `table`.
 void register_member(Member* table, int rank);
 
-// A member of `table[0..world)` other than `self` whose process no longer
-// exists in our pid namespace (its pid in *pid), or -1.
+// Whether `member`'s process (recorded when it opened) no longer exists in our
+// pid namespace (its pid in *pid); false when that cannot be told.
+bool exited(const Member* table, int member, int self, std::int32_t* pid);
+
+// A member of `table[0..world)` other than `self` that exited(), or -1.
 int dead_member(const Member* table, int world, int self, std::int32_t* pid);
 
 }  // namespace mapp::comm::shm

@@ -30,7 +30,8 @@ const std::vector<Tunable>& tunables() {
        "bytes per slot of the shared-memory pipeline send/recv rings (one ring per ordered "
        "pair of pipeline ranks on a node); larger messages move in pieces of this size"},
       {"MAPP_SHM_P2P_SLOTS", "4",
-       "slots per ring of the shared-memory pipeline send/recv transport"},
+       "slots per ring of the shared-memory pipeline send/recv transport; the pipeline "
+       "sends a message through shared memory only when slots x slot bytes hold it whole"},
       // Fault injection (python/megatronapp/faults.py parses the values).
       {"MAPP_INJECT_SLOWDOWN", "",
        "fault injection: 'rank=R,factor=F[,phase=forward|backward|all]' makes rank R's "

@@ -402,6 +402,7 @@ TORCH_LIBRARY(mapp, m) {
   m.def("shm_p2p_unlink(str group_name) -> ()", &mapp::torch_ext::shm_p2p_unlink);
   m.def("shm_p2p_detach(str group_name) -> ()", &mapp::torch_ext::shm_p2p_detach);
   m.def("shm_p2p_attached(str group_name) -> bool", &mapp::torch_ext::shm_p2p_attached);
+  m.def("shm_p2p_ring_bytes(str group_name) -> int", &mapp::torch_ext::shm_p2p_ring_bytes);
   m.def("vocab_ce_local_stats(Tensor logits, Tensor target, int vocab_start) -> Tensor");
   m.def("fused_dropout(Tensor self, float p, int seed) -> Tensor");
   m.def("scaled_causal_softmax(Tensor self, float scale) -> Tensor");

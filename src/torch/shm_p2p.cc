@@ -150,6 +150,12 @@ void shm_p2p_detach(const std::string& group_name) {
   attached().erase(group_name);
 }
 
+std::int64_t shm_p2p_ring_bytes(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(mu());
+  auto it = attached().find(group_name);
+  return it == attached().end() ? 0 : static_cast<std::int64_t>(it->second.p2p->ring_bytes());
+}
+
 bool shm_p2p_attached(const std::string& group_name) {
   std::lock_guard<std::mutex> lock(mu());
   return attached().count(group_name) != 0;

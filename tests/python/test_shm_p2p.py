@@ -140,8 +140,11 @@ def _pipeline(rank, world, schedule, env, delay):
     res = forward_backward(sched, chunks, iter(data), lambda out, t: ((out - t) ** 2).mean(),
                            tensor_shape=(mb, h), dtype=torch.float64)
     grads = [p.grad.clone() for c in chunks for p in c.parameters()]
+    from megatronapp.pipeline import executor
+
+    used = executor._P2P(st, sched, (mb, h), torch.float64, torch.device("cpu")).shm
     return (S.shared_memory_enabled(st.pipeline_group, p2p=True),
-            [float(x) for x in res.losses], grads)
+            [float(x) for x in res.losses], grads, used)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
@@ -153,6 +156,18 @@ def test_schedules_through_shared_memory_match_gloo_bit_for_bit(schedule):
         assert a[1] == b[1]
         assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
     assert shm[-1][1], "the last stage reports losses"
+
+
+def test_messages_larger_than_a_ring_stay_on_gloo():
+    # 3 x 16 float64 = 384 bytes per message, rings of one 256-byte slot: the
+    # executor sends through Gloo (a message that does not fit would only move
+    # while its sender is inside a p2p call), with the same numbers.
+    small = {"MAPP_SHM_P2P_SLOT_BYTES": "256", "MAPP_SHM_P2P_SLOTS": "1"}
+    tiny = run_ranks(_pipeline, 2, "1f1b", small, False)
+    ref = run_ranks(_pipeline, 2, "1f1b", {}, False)
+    assert all(r[0] and not r[3] for r in tiny) and all(r[3] for r in ref)
+    for a, b in zip(tiny, ref, strict=True):
+        assert a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
 
 
 def test_fault_injected_delayed_send_through_shared_memory():

@@ -23,8 +23,9 @@
 //
 // A waiter spins briefly, then sleeps on its own doorbell (a futex word that
 // a peer bumps after it wrote to or freed a slot of a ring the waiter uses),
-// and fails with BackendError when the timeout passes or a peer's process has
-// exited (named within ~100 ms). Thread-safe: one mutex per member.
+// and fails with BackendError when the timeout passes or the operation's peer
+// has exited (named within ~100 ms; other members may finish and exit first).
+// Thread-safe: one mutex per member.
 #pragma once
 
 #include <chrono>
@@ -64,6 +65,10 @@ class ShmP2P {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
+  // Bytes one ring holds (slots x slot size): a message up to this size is
+  // written whole at isend(); a larger one only as the receiver frees slots,
+  // i.e. while the sender is inside a call of this class.
+  std::size_t ring_bytes() const { return slot_bytes_ * static_cast<std::size_t>(slots_); }
 
   // Posts a send of `bytes` at `data` to member `dst`. The caller keeps `data`
   // alive and unchanged until the send completed (test() or wait()).

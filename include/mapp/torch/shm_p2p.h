@@ -46,5 +46,7 @@ bool shm_p2p_attach(const std::string& group_name, const std::string& shm_name, 
 void shm_p2p_unlink(const std::string& group_name);
 void shm_p2p_detach(const std::string& group_name);
 bool shm_p2p_attached(const std::string& group_name);
+// Bytes one ring of the group's transport holds (0 when not attached).
+std::int64_t shm_p2p_ring_bytes(const std::string& group_name);
 
 }  // namespace mapp::torch_ext

@@ -89,8 +89,13 @@ class _P2P:
         self.shape, self.dtype, self.device = shape, dtype, device
         # On one node, CPU tensors move through shared memory (ShmP2P), not
         # Gloo's TCP loopback; peers are addressed by stage = pipeline-group rank.
+        # A message larger than a ring would move only while the sender is in
+        # a p2p call (Gloo moves it from its own threads): those stay on Gloo.
+        # Every stage decides alike: shape and dtype are the same everywhere.
         self.shm = (self.group is not None and (device is None or device.type == "cpu")
-                    and shared_memory_enabled(self.group, p2p=True))
+                    and shape is not None and shared_memory_enabled(self.group, p2p=True)
+                    and _nbytes(shape, dtype) <= torch.ops.mapp.shm_p2p_ring_bytes(
+                        self.group.group_name))
         self.recvs: dict = {}
         # key -> (work, tensor): the tensor lives until the send is waited on
         self.sends: dict = {}
@@ -167,6 +172,13 @@ class _P2P:
         self.sends = {}
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
 
 
 class _DelayedSend:
