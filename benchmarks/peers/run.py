@@ -120,11 +120,11 @@ CONFIGS = {
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
-    # The same with the pipeline's send/recv on Gloo (collectives still on
-    # shared memory): the shared-memory p2p gain, measured each run.
-    "ours-pp4-p2p-gloo": ("ours", "ours: PP4 zero-bubble, pool, pipeline send/recv on Gloo",
-                          PP4 + ["--pipeline-schedule", "zero-bubble", "--memory-pool",
-                                 ENV_FLAG + "MAPP_SHM_P2P=0"], True),
+    # The same with the pipeline's send/recv through shared memory (opt-in,
+    # MAPP_SHM_P2P=1): that transport's effect, measured each run.
+    "ours-pp4-shm-p2p": ("ours", "ours: PP4 zero-bubble, pool, pipeline send/recv in shared memory",
+                         PP4 + ["--pipeline-schedule", "zero-bubble", "--memory-pool",
+                                ENV_FLAG + "MAPP_SHM_P2P=1"], True),
     "ours-pp-sp": ("ours", "ours: TP2 x PP2 zero-bubble, SP, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--sequence-parallel", "--memory-pool"], True),
 }
@@ -136,7 +136,7 @@ SUITES = {
     # make bench-step: ours against Megatron-Core, like for like (issue 26).
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
              "ours-pp-1f1b", "ours-pp", "ours-dp-exact", "ours-pp4-1f1b", "ours-pp4",
-             "ours-pp4-p2p-gloo"],
+             "ours-pp4-shm-p2p"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }

@@ -143,13 +143,14 @@ def enable_shared_memory(group: dist.ProcessGroup, *, p2p: bool = False) -> bool
     activations and gradients through (``torch.ops.mapp.shm_isend/shm_irecv``).
     A no-op returning False for a group of one, a group spanning nodes, a
     non-Gloo group (NCCL has its own intra-node transports), or
-    ``MAPP_SHM_COLLECTIVES=0`` (``MAPP_SHM_P2P=0`` turns off only the
-    point-to-point transport). Collective: every member must call it. If any
+    ``MAPP_SHM_COLLECTIVES=0``; the point-to-point transport only with
+    ``MAPP_SHM_P2P=1`` (opt-in: no measurable gain at the sizes measured, see
+    docs/architecture.md). Collective: every member must call it. If any
     member cannot map the segment, every member stays on the backend and a
     warning says why."""
     if group is None or group.size() == 1 or os.environ.get("MAPP_SHM_COLLECTIVES", "1") == "0":
         return False
-    if dist.get_backend(group) != "gloo" or (p2p and os.environ.get("MAPP_SHM_P2P", "1") == "0"):
+    if dist.get_backend(group) != "gloo" or (p2p and os.environ.get("MAPP_SHM_P2P", "0") != "1"):
         return False
     attach, unlink, detach, _ = _shm_ops(p2p)
     idents: list = [None] * group.size()
@@ -280,7 +281,7 @@ def create_parallel_state(
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
     for g in (tp_group, dp_group, mp_group, emb_group):
         enable_shared_memory(g)
-    # ... and the pipeline's activations and gradients between stages.
+    # ... and, with MAPP_SHM_P2P=1, the pipeline's activations and gradients.
     enable_shared_memory(pp_group, p2p=True)
     return ParallelState(
         grid=grid,

@@ -23,9 +23,11 @@ const std::vector<Tunable>& tunables() {
       {"MAPP_SHM_SLOT_BYTES", "2097152",
        "bytes each rank owns per area of a shared-memory group (two areas); larger tensors "
        "move in pieces of this size"},
-      {"MAPP_SHM_P2P", "1",
+      {"MAPP_SHM_P2P", "0",
        "1: the pipeline's send/recv between stages on one node moves through shared memory "
-       "(with MAPP_SHM_COLLECTIVES=1); 0: through the pipeline group's backend (Gloo)"},
+       "(with MAPP_SHM_COLLECTIVES=1); 0 (default): through the pipeline group's backend "
+       "(Gloo); opt-in because it measured no gain and it moves a message only while the "
+       "receiver is inside a p2p call"},
       {"MAPP_SHM_P2P_SLOT_BYTES", "524288",
        "bytes per slot of the shared-memory pipeline send/recv rings (one ring per ordered "
        "pair of pipeline ranks on a node); larger messages move in pieces of this size"},

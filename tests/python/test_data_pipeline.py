@@ -123,6 +123,23 @@ def test_cli_and_clear_errors(corpus, tmp_path):
     assert p.returncode == 2 and "needs --vocab-file" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["--tokenizer-type", "GPT2BPETokenizer"], "needs --vocab-file"),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/nonexistent.model"],
+     "/nonexistent.model: no such file"),
+    (["--tokenizer-type", "NullTokenizer"], "needs --vocab-size"),
+    (["--data-path", "0.5", "/nonexistent/a", "0.5", "/nonexistent/b"], "not an indexed dataset"),
+    (["--data-path", "/nonexistent/a", "0.5", "/nonexistent/b"], "weight/prefix pairs"),
+    (["--data-path", "0.5", "/nonexistent/a", "x", "/nonexistent/b"], "needs a weight"),
+])
+def test_bad_data_flags_are_rejected_before_any_collective(extra, message):
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        Config.from_args(build_parser().parse_args(extra)).check(1)
+
+
 def _make(prefix, docs, dtype=np.uint16):
     from megatronapp.data.indexed import IndexedDatasetBuilder
 

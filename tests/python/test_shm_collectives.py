@@ -94,12 +94,15 @@ def _model_parallel_groups(rank, world, pp, env):
 
 
 def test_model_parallel_groups_use_shared_memory_by_default_and_can_opt_out():
-    # TP2 x PP2: tensor and model groups (data groups are single ranks), and
-    # the pipeline group's send/recv transport (not its collectives).
-    assert run_ranks(_model_parallel_groups, 4, 2, {}) == [[True, False, True, False, True]] * 4
+    # TP2 x PP2: tensor and model groups (data groups are single ranks); the
+    # pipeline group's send/recv transport (not its collectives) on request.
+    assert run_ranks(_model_parallel_groups, 4, 2, {}) == [[True, False, True, False, False]] * 4
+    assert (run_ranks(_model_parallel_groups, 4, 2, {"MAPP_SHM_P2P": "1"})
+            == [[True, False, True, False, True]] * 4)
     # TP2 x DP2: the data-parallel group too; pipeline groups are single ranks.
     assert run_ranks(_model_parallel_groups, 4, 1, {}) == [[True, True, True, False, False]] * 4
-    assert (run_ranks(_model_parallel_groups, 4, 2, {"MAPP_SHM_COLLECTIVES": "0"})
+    assert (run_ranks(_model_parallel_groups, 4, 2, {"MAPP_SHM_COLLECTIVES": "0",
+                                                      "MAPP_SHM_P2P": "1"})
             == [[False] * 5] * 4)
 
 

@@ -15,6 +15,7 @@ from dist_harness import run_ranks
 
 
 def _exchange(rank, world, slot_bytes, slots):
+    os.environ["MAPP_SHM_P2P"] = "1"
     os.environ["MAPP_SHM_P2P_SLOT_BYTES"] = str(slot_bytes)
     os.environ["MAPP_SHM_P2P_SLOTS"] = str(slots)
     import torch.distributed as dist
@@ -68,6 +69,7 @@ def test_shared_memory_send_recv_is_exact_in_any_posting_order(world, slot, slot
 
 
 def _misuse(rank, world):
+    os.environ["MAPP_SHM_P2P"] = "1"
     import torch.distributed as dist
 
     import megatronapp  # noqa: F401
@@ -119,6 +121,7 @@ def test_misuse_is_a_clear_error():
 
 
 def _pipeline(rank, world, schedule, env, delay):
+    os.environ["MAPP_SHM_P2P"] = "1"  # opt-in; MAPP_SHM_COLLECTIVES=0 still turns it off
     os.environ.update(env)
     if delay:
         os.environ["MAPP_INJECT_LINK_DELAY"] = "rank=0,peer=1,ms=30"
@@ -166,6 +169,8 @@ def test_messages_larger_than_a_ring_stay_on_gloo():
     tiny = run_ranks(_pipeline, 2, "1f1b", small, False)
     ref = run_ranks(_pipeline, 2, "1f1b", {}, False)
     assert all(r[0] and not r[3] for r in tiny) and all(r[3] for r in ref)
+    off = run_ranks(_pipeline, 2, "1f1b", {"MAPP_SHM_P2P": "0"}, False)
+    assert not any(r[0] or r[3] for r in off)  # MAPP_SHM_P2P=0 (the default): Gloo
     for a, b in zip(tiny, ref, strict=True):
         assert a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
 

@@ -419,12 +419,15 @@ class Config:
     def _check_data(self) -> None:
         from ..data.gpt_dataset import parse_data_path, parse_split
         from ..data.indexed import exists
+        from ..data.tokenizers import build_tokenizer
 
         d = self.data
+        try:  # missing --vocab-file, an unreadable model, no tokenizers package ...
+            build_tokenizer(**d.tokenizer_kwargs())
+        except (ValueError, OSError, ImportError) as e:
+            raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {e}") from None
         paths = d.paths()
-        if not paths:
-            return
-        if not d.is_indexed():
+        if not paths or not d.is_indexed():
             return
         try:
             parse_split(d.split)
