@@ -147,8 +147,10 @@ class GPTDataset:
         docs = np.arange(begin, end, dtype=np.int32)
         self.description = {
             "class": "GPTDataset", "prefix": os.path.abspath(indexed.prefix),
+            # what the data is, not when it was copied: node-local copies of the
+            # same files give the same key on every node
+            "sequences": len(indexed), "tokens": indexed.num_tokens,
             "idx_bytes": os.path.getsize(indexed.prefix + ".idx"),
-            "idx_mtime_ns": os.stat(indexed.prefix + ".idx").st_mtime_ns,
             "split": split, "documents": [begin, end], "num_samples": num_samples,
             "seq_length": seq_length, "seed": seed, "extra_token": 1,
         }
@@ -167,6 +169,11 @@ class GPTDataset:
                 self.built = True
         if dist is not None:
             dist.barrier()
+        if not os.path.isfile(desc_path):
+            raise FileNotFoundError(
+                f"{indexed.prefix}: the {split} sample indices rank 0 built are not in {cache} "
+                "on this rank; every rank must see the same cache directory (set "
+                "--data-cache-path to a filesystem all nodes share, or copy the cache)")
         with open(desc_path) as f:
             if f.read() != text:
                 raise ValueError(f"{desc_path} describes other indices than {text} "
