@@ -124,7 +124,7 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer_type: str = "
 
     t0 = time.perf_counter()
     n_docs = n_tokens = 0
-    bar = None
+    bar = pool = None
     if progress:
         from tqdm import tqdm
 
@@ -134,7 +134,6 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer_type: str = "
             pool = mp.get_context("spawn").Pool(workers, _init, (tok_kwargs, keys, append_eod))
             results = pool.imap(_encode, numbered(), chunksize=64)
         else:
-            pool = None
             _init(tok_kwargs, keys, append_eod)
             results = map(_encode, numbered())
         for ids, err in results:
@@ -153,7 +152,7 @@ def preprocess(inputs: list[str], output_prefix: str, *, tokenizer_type: str = "
             pool.close()
             pool.join()
     except BaseException:
-        if workers > 1 and pool is not None:
+        if pool is not None:
             pool.terminate()
         raise
     finally:
