@@ -1,6 +1,5 @@
 #include "mapp/comm/shm_group.h"
 
-#include <linux/futex.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -18,7 +17,6 @@ namespace mapp::comm {
 namespace {
 
 using shm::cpu_relax;
-using shm::futex;
 
 constexpr std::uint64_t kMagic = 0x4d41505053484d31ULL;  // "MAPPSHM1"
 constexpr int kSpins = 256;                              // busy polls before yielding
@@ -130,8 +128,7 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
   if (h.count.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(world_)) {
     h.count.store(0, std::memory_order_relaxed);
     h.phase.store(phase + 1, std::memory_order_seq_cst);
-    if (h.sleepers.load(std::memory_order_seq_cst) > 0)
-      futex(&h.phase, FUTEX_WAKE, INT_MAX, nullptr);
+    shm::wake_all(&h.phase, &h.sleepers);
     return;
   }
   for (int i = 0; i < kSpins + kYields; ++i) {
@@ -159,13 +156,7 @@ void ShmGroup::barrier(const char* op, std::chrono::steady_clock::time_point dea
                         ") has exited while the others wait for it; the job cannot continue "
                         "(see that rank's output for why it stopped)");
     }
-    const auto left =
-        std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
-    timespec ts{static_cast<time_t>(left.count() / 1000000000),
-                static_cast<long>(left.count() % 1000000000)};
-    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (h.phase.load(std::memory_order_seq_cst) == phase) futex(&h.phase, FUTEX_WAIT, phase, &ts);
-    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    shm::sleep_while(&h.phase, &h.sleepers, phase, deadline);
   }
 }
 

@@ -1,6 +1,5 @@
 #include "mapp/comm/shm_p2p.h"
 
-#include <linux/futex.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -141,8 +140,7 @@ ShmP2P::Slot* ShmP2P::slot(int src, int dst, int i) const {
 void ShmP2P::ring(int member) {
   Bell& b = static_cast<Bell*>(bells())[member];
   b.word.fetch_add(1, std::memory_order_seq_cst);
-  if (b.sleepers.load(std::memory_order_seq_cst) > 0)
-    shm::futex(&b.word, FUTEX_WAKE, INT_MAX, nullptr);
+  shm::wake_all(&b.word, &b.sleepers);
 }
 
 ShmP2P::Handle ShmP2P::isend(const void* data, std::size_t bytes, int dst, std::uint32_t tag) {
@@ -327,14 +325,7 @@ void ShmP2P::wait(Handle h, std::chrono::milliseconds timeout) {
                         "): member ", peer, " (pid ", pid,
                         ") has exited; the job cannot continue (see that rank's output for why "
                         "it stopped)");
-    const auto left =
-        std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
-    timespec ts{static_cast<time_t>(left.count() / 1000000000),
-                static_cast<long>(left.count() % 1000000000)};
-    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (bell.word.load(std::memory_order_seq_cst) == seen)
-      shm::futex(&bell.word, FUTEX_WAIT, seen, &ts);
-    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    shm::sleep_while(&bell.word, &bell.sleepers, seen, deadline);
   }
 }
 

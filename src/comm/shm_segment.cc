@@ -8,7 +8,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 
 #include "mapp/common/check.h"
@@ -17,6 +19,23 @@ namespace mapp::comm::shm {
 
 long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t val, const timespec* ts) {
   return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+void sleep_while(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* sleepers,
+                 std::uint32_t seen, std::chrono::steady_clock::time_point deadline) {
+  const auto now = std::chrono::steady_clock::now();
+  if (now >= deadline) return;
+  const auto left =
+      std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
+  timespec ts{static_cast<time_t>(left.count() / 1000000000),
+              static_cast<long>(left.count() % 1000000000)};
+  sleepers->fetch_add(1, std::memory_order_seq_cst);
+  if (word->load(std::memory_order_seq_cst) == seen) futex(word, FUTEX_WAIT, seen, &ts);
+  sleepers->fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void wake_all(std::atomic<std::uint32_t>* word, const std::atomic<std::uint32_t>* sleepers) {
+  if (sleepers->load(std::memory_order_seq_cst) > 0) futex(word, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -23,6 +24,17 @@ inline std::size_t round_to_page(std::size_t n) { return (n + kPage - 1) / kPage
 // FUTEX_WAIT (until `*addr != val` or `ts`) / FUTEX_WAKE on a word in a
 // mapping shared between processes (so never FUTEX_PRIVATE).
 long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t val, const timespec* ts);
+
+// The waiters' sleep, shared by the barrier and the p2p doorbells: sleeps on
+// `word` while it still reads `seen` (counted in `sleepers`, so a waker only
+// makes the syscall when someone sleeps), at most until `deadline` and at
+// most 100 ms, the slice after which a waiter re-checks its deadline and
+// whether a peer has exited.
+void sleep_while(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* sleepers,
+                 std::uint32_t seen, std::chrono::steady_clock::time_point deadline);
+
+// Wakes every sleeper of `word` (call after changing it).
+void wake_all(std::atomic<std::uint32_t>* word, const std::atomic<std::uint32_t>* sleepers);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fork_members.h"
 #include "mapp/common/check.h"
 
 namespace mapp::comm {
@@ -35,34 +36,8 @@ std::string unique_name(const char* what) {
 void run_members(int world, std::size_t slot, const std::string& name,
                  const std::function<int(ShmGroup&)>& body) {
   auto creator = ShmGroup::create(name, 0, world, slot);
-  std::vector<pid_t> pids;
-  for (int m = 0; m < world; ++m) {
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      int rc = 0;
-      try {
-        if (m == 0) {
-          rc = body(*creator);
-        } else {
-          auto g = ShmGroup::open(name, m, world, slot);
-          rc = body(*g);
-        }
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "member %d: %s\n", m, e.what());
-        rc = 3;
-      }
-      std::fflush(stderr);
-      ::_exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  for (int m = 0; m < world; ++m) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pids[m], &status, 0), pids[m]);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "member " << m << " failed";
-  }
-  creator->unlink();
+  testing::run_forked<ShmGroup>(
+      world, *creator, [&](int m) { return ShmGroup::open(name, m, world, slot); }, body);
 }
 
 TEST(ShmGroup, AllReduceMatchesClosedFormAcrossPieces) {

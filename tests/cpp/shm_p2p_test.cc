@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fork_members.h"
 #include "mapp/common/check.h"
 
 namespace mapp::comm {
@@ -26,39 +27,13 @@ std::string unique_name(const char* what) {
   return "/mapp-p2p-test-" + std::string(what) + "-" + std::to_string(::getpid());
 }
 
-// Runs body(member) in `world` forked processes; member 0 creates the segment
-// first. Expects every member to exit 0.
+// Runs body(member) in `world` processes (member 0 creates the segment before
+// the others start) and expects every one of them to exit 0.
 void run_members(int world, std::size_t slot, int slots, const std::string& name,
                  const std::function<int(ShmP2P&)>& body) {
   auto creator = ShmP2P::create(name, 0, world, slot, slots);
-  std::vector<pid_t> pids;
-  for (int m = 0; m < world; ++m) {
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      int rc = 0;
-      try {
-        if (m == 0) {
-          rc = body(*creator);
-        } else {
-          auto g = ShmP2P::open(name, m, world, slot, slots);
-          rc = body(*g);
-        }
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "member %d: %s\n", m, e.what());
-        rc = 3;
-      }
-      std::fflush(stderr);
-      ::_exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  for (int m = 0; m < world; ++m) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pids[m], &status, 0), pids[m]);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "member " << m << " failed";
-  }
-  creator->unlink();
+  testing::run_forked<ShmP2P>(
+      world, *creator, [&](int m) { return ShmP2P::open(name, m, world, slot, slots); }, body);
 }
 
 std::vector<float> pattern(int from, int to, int tag, std::size_t n) {

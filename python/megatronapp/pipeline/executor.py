@@ -25,6 +25,7 @@ step. The executor knows nothing else about data parallelism.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import threading
 import time
@@ -94,7 +95,7 @@ class _P2P:
         # Every stage decides alike: shape and dtype are the same everywhere.
         self.shm = (self.group is not None and (device is None or device.type == "cpu")
                     and shape is not None and shared_memory_enabled(self.group, p2p=True)
-                    and _nbytes(shape, dtype) <= torch.ops.mapp.shm_p2p_ring_bytes(
+                    and math.prod(shape) * dtype.itemsize <= torch.ops.mapp.shm_p2p_ring_bytes(
                         self.group.group_name))
         self.recvs: dict = {}
         # key -> (work, tensor): the tensor lives until the send is waited on
@@ -172,13 +173,6 @@ class _P2P:
         self.sends = {}
         if self.recvs:
             raise RuntimeError(f"forward_backward: receives posted but never used: {list(self.recvs)}")
-
-
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 class _DelayedSend:
