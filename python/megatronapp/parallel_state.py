@@ -59,6 +59,30 @@ class ParallelState:
     virtual_pipeline_rank: int | None = None
     # ranks of this rank's groups, for messages and tests
     group_ranks: dict = field(default_factory=dict)
+    #: the ranks sharding the experts with this one (None when ep == 1)
+    expert_group: dist.ProcessGroup | None = None
+    #: the ranks holding the same experts: expert gradients are reduced over
+    #: it (the data group when ep == 1)
+    expert_data_group: dist.ProcessGroup | None = None
+
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.grid.ep_rank(self.rank)
+
+    @property
+    def edp_size(self) -> int:
+        return self.grid.edp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.grid.edp_rank(self.rank)
+
+    def expert_data_group_or_data(self) -> dist.ProcessGroup:
+        return self.expert_data_group if self.expert_data_group is not None else self.data_group
 
     @property
     def tp_rank(self) -> int:
@@ -215,11 +239,14 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     *,
     backend: str | None = None,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelState:
     """Builds the (tp, pp, dp) grid over the default process group and creates
     its groups. Call after ``torch.distributed.init_process_group``; every rank
     must call it with the same arguments. dp is inferred as
-    ``world_size / (tp * pp)``.
+    ``world_size / (tp * pp)``. ``expert_model_parallel_size`` (ep) shards
+    MoE experts over ep data-parallel ranks (Megatron-Core's layout: ep
+    divides dp; the expert groups come from ``RankGrid.expert_groups``).
 
     Returns the new :class:`ParallelState` (also installed as the default that
     the ``get_*`` functions of this module read).
@@ -231,7 +258,8 @@ def initialize_model_parallel(
             "megatronapp.destroy_model_parallel() before initializing it again"
         )
     _STATE = create_parallel_state(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                   virtual_pipeline_model_parallel_size, backend=backend)
+                                   virtual_pipeline_model_parallel_size, backend=backend,
+                                   expert_model_parallel_size=expert_model_parallel_size)
     return _STATE
 
 
@@ -241,6 +269,7 @@ def create_parallel_state(
     virtual_pipeline_model_parallel_size: int | None = None,
     *,
     backend: str | None = None,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelState:
     """Like :func:`initialize_model_parallel` but installs nothing: the
     returned value is passed explicitly (``parallel_state=``)."""
@@ -251,7 +280,8 @@ def create_parallel_state(
             "(torchrun sets the rendezvous environment)"
         )
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size)
+    grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
+                    ep=expert_model_parallel_size)
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError(
@@ -277,9 +307,20 @@ def create_parallel_state(
         g = dist.new_group(ranks=list(ranks), backend=backend)
         if rank in ranks:
             emb_group, emb_ranks = g, list(ranks)
+    ep_group = edp_group = None
+    ep_ranks, edp_ranks = [rank], dp_ranks
+    if grid.ep > 1:
+        for ranks in grid.expert_groups():
+            g = dist.new_group(ranks=ranks, backend=backend)
+            if rank in ranks:
+                ep_group, ep_ranks = g, ranks
+        for ranks in grid.expert_data_groups():
+            g = dist.new_group(ranks=ranks, backend=backend)
+            if rank in ranks:
+                edp_group, edp_ranks = g, ranks
     # On one node our collectives on these groups (tensor-parallel activations,
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
-    for g in (tp_group, dp_group, mp_group, emb_group):
+    for g in (tp_group, dp_group, mp_group, emb_group, ep_group, edp_group):
         enable_shared_memory(g)
     # ... and, with MAPP_SHM_P2P=1, the pipeline's activations and gradients.
     enable_shared_memory(pp_group, p2p=True)
@@ -294,7 +335,9 @@ def create_parallel_state(
         virtual_pipeline_size=virtual_pipeline_model_parallel_size,
         virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size else None,
         group_ranks={"tp": tp_ranks, "dp": dp_ranks, "pp": pp_ranks, "mp": mp_ranks,
-                     "embedding": emb_ranks},
+                     "embedding": emb_ranks, "ep": ep_ranks, "edp": edp_ranks},
+        expert_group=ep_group,
+        expert_data_group=edp_group,
     )
 
 
@@ -304,7 +347,8 @@ def destroy_model_parallel() -> None:
     if _STATE is None:
         return
     groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
-              _STATE.model_group, _STATE.embedding_group}
+              _STATE.model_group, _STATE.embedding_group, _STATE.expert_group,
+              _STATE.expert_data_group}
     for g in groups:
         if g is not None and dist.is_initialized():
             disable_shared_memory(g)
@@ -353,6 +397,32 @@ def get_model_parallel_group():
 
 def get_embedding_group():
     return get_parallel_state().embedding_group
+
+
+def get_expert_model_parallel_group():
+    """The ranks sharding the experts with this one; None when ep == 1."""
+    return get_parallel_state().expert_group
+
+
+def get_expert_data_parallel_group():
+    """The ranks holding this rank's experts (the data group when ep == 1)."""
+    return get_parallel_state().expert_data_group_or_data()
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_parallel_state().ep_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().ep_size
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel_state().edp_rank
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_parallel_state().edp_size
 
 
 def get_tensor_model_parallel_rank() -> int:

@@ -34,8 +34,8 @@ int Coord::get(Axis axis) const {
   return 0;
 }
 
-RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp)
-    : world_size_(world_size), sizes_{tp, cp, dp, pp} {
+RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp, int ep)
+    : world_size_(world_size), sizes_{tp, cp, dp, pp}, ep_(ep) {
   MAPP_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   MAPP_CHECK(tp >= 1 && pp >= 1 && cp >= 1 && dp >= 0,
              "parallel sizes must be >= 1 (dp may be 0 to infer it): got tensor=", tp,
@@ -53,6 +53,68 @@ RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp)
                ") x data(", dp, ") = ", model * dp,
                "; the four sizes must multiply to the number of ranks");
   }
+  const int data = this->cp() * this->dp();
+  MAPP_CHECK(ep >= 1 && data % ep == 0, "expert-model-parallel size ", ep,
+             " does not divide data(", this->dp(), ") x context(", this->cp(), ") = ", data,
+             " (world ", world_size, " / (tensor(", tp, ") x pipeline(", pp,
+             "))): experts are sharded over data-parallel ranks; choose an expert-parallel "
+             "size that divides ",
+             data, " or launch more ranks");
+}
+
+template <typename Keep>
+std::vector<int> RankGrid::data_ranks(int rank, Keep&& keep) const {
+  Coord c = coord(rank);
+  std::vector<int> out;
+  for (int i = 0; i < cp() * dp(); ++i) {
+    if (!keep(i)) continue;
+    c.dp = i / cp();
+    c.cp = i % cp();
+    out.push_back(this->rank(c));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int RankGrid::ep_rank(int rank) const {
+  const Coord c = coord(rank);
+  return (c.dp * cp() + c.cp) % ep_;
+}
+
+int RankGrid::edp_rank(int rank) const {
+  const Coord c = coord(rank);
+  return (c.dp * cp() + c.cp) / ep_;
+}
+
+std::vector<int> RankGrid::expert_group(int rank) const {
+  const int mine = edp_rank(rank);
+  return data_ranks(rank, [&](int i) { return i / ep_ == mine; });
+}
+
+std::vector<int> RankGrid::expert_data_group(int rank) const {
+  const int mine = ep_rank(rank);
+  return data_ranks(rank, [&](int i) { return i % ep_ == mine; });
+}
+
+std::vector<std::vector<int>> RankGrid::partition(
+    const std::function<std::vector<int>(int)>& group_of) const {
+  std::vector<std::vector<int>> out;
+  std::vector<bool> seen(world_size_, false);
+  for (int r = 0; r < world_size_; ++r) {
+    if (seen[r]) continue;
+    auto g = group_of(r);
+    for (int m : g) seen[m] = true;
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+std::vector<std::vector<int>> RankGrid::expert_groups() const {
+  return partition([this](int r) { return expert_group(r); });
+}
+
+std::vector<std::vector<int>> RankGrid::expert_data_groups() const {
+  return partition([this](int r) { return expert_data_group(r); });
 }
 
 Coord RankGrid::coord(int rank) const {
@@ -102,15 +164,7 @@ std::vector<int> RankGrid::group(int rank, const std::vector<Axis>& axes) const 
 }
 
 std::vector<std::vector<int>> RankGrid::groups(const std::vector<Axis>& axes) const {
-  std::vector<std::vector<int>> out;
-  std::vector<bool> seen(world_size_, false);
-  for (int r = 0; r < world_size_; ++r) {
-    if (seen[r]) continue;
-    auto g = group(r, axes);
-    for (int m : g) seen[m] = true;
-    out.push_back(std::move(g));
-  }
-  return out;
+  return partition([&](int r) { return group(r, axes); });
 }
 
 std::vector<int> RankGrid::embedding_group(int rank) const {
@@ -126,6 +180,7 @@ std::string RankGrid::describe() const {
   std::ostringstream os;
   os << "world " << world_size_ << " = tp " << tp() << " x cp " << cp() << " x dp "
      << dp() << " x pp " << pp();
+  if (ep_ > 1) os << " (experts: ep " << ep_ << " x edp " << edp() << ")";
   return os.str();
 }
 

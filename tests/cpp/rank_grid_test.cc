@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -89,6 +90,37 @@ TEST(RankGrid, ContextAxisSitsBetweenTensorAndData) {
   EXPECT_EQ(grid.group(0, {Axis::kContext}), (std::vector<int>{0, 2}));
 }
 
+// Megatron-Core's expert layout: ep carved out of dp, ep varying fastest.
+TEST(RankGrid, ExpertGroupsCarvedOutOfData) {
+  RankGrid grid(16, /*tp=*/2, /*pp=*/2, /*dp=*/4, /*cp=*/1, /*ep=*/2);
+  EXPECT_EQ(grid.edp(), 2);
+  // rank 0: tp0 dp0 pp0; its dp group is {0, 2, 4, 6}.
+  EXPECT_EQ(grid.expert_group(0), (std::vector<int>{0, 2}));
+  EXPECT_EQ(grid.expert_data_group(0), (std::vector<int>{0, 4}));
+  EXPECT_EQ(grid.expert_group(13), (std::vector<int>{13, 15}));  // tp1 dp2 pp1
+  EXPECT_EQ(grid.expert_data_group(13), (std::vector<int>{9, 13}));
+  EXPECT_EQ(grid.ep_rank(6), 1);
+  EXPECT_EQ(grid.edp_rank(6), 1);
+  for (const auto& gs : {grid.expert_groups(), grid.expert_data_groups()}) {
+    std::vector<int> seen(16, 0);
+    for (const auto& g : gs)
+      for (int r : g) seen[r]++;
+    EXPECT_EQ(seen, std::vector<int>(16, 1));
+  }
+  EXPECT_EQ(grid.expert_groups().size(), 8u);
+  // Every expert group lies inside one data group; ep x edp covers it.
+  for (int r = 0; r < 16; ++r) {
+    const auto dp = grid.group(r, {Axis::kData});
+    for (int m : grid.expert_group(r))
+      EXPECT_TRUE(std::find(dp.begin(), dp.end(), m) != dp.end());
+  }
+  // With a context axis the expert ranks come from cp x dp, cp fastest.
+  RankGrid with_cp(8, /*tp=*/1, /*pp=*/1, /*dp=*/2, /*cp=*/4, /*ep=*/8);
+  EXPECT_EQ(with_cp.expert_group(0), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(with_cp.ep_rank(5), 5);
+  EXPECT_EQ(RankGrid(4, 1, 1).expert_group(2), (std::vector<int>{2}));
+}
+
 void expect_error_mentions(const std::function<void()>& f,
                            const std::vector<std::string>& parts) {
   try {
@@ -108,6 +140,8 @@ TEST(RankGrid, InvalidConfigsNameEveryFactor) {
   expect_error_mentions([] { RankGrid(8, 0, 1); }, {"tensor=0"});
   expect_error_mentions([] { RankGrid(4, 2, 1).coord(4); }, {"rank 4", "[0, 4)"});
   expect_error_mentions([] { RankGrid(4, 2, 1).rank(Coord{2, 0, 0, 0}); }, {"tp coordinate 2"});
+  expect_error_mentions([] { RankGrid(8, 2, 1, 0, 1, 3); },
+                        {"expert-model-parallel size 3", "data(4)", "divides 4"});
   EXPECT_THROW(parse_axis("xp"), ValueError);
 }
 

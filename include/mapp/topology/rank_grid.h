@@ -13,10 +13,22 @@
 // Every group along the same axes partitions the world.
 //
 // Invariants: tp, cp, pp, dp >= 1 and tp*cp*pp*dp == world_size.
+//
+// Expert parallelism (Megatron-Core's layout, expert tensor parallelism =
+// tp): the ep ranks that shard the experts are carved out of the cp x dp
+// ranks of one (tp, pp) position. With i = dp * CP + cp (the order in which
+// those ranks appear in the world),
+//
+//     ep_rank = i % EP,   edp_rank = i / EP   (expert-data-parallel)
+//
+// so expert-parallel peers are adjacent data-parallel ranks. Dense
+// parameters are replicated over the cp x dp ranks; an expert over its edp
+// ranks only. Invariant: ep divides cp * dp.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,7 +57,8 @@ class RankGrid {
  public:
   // dp = 0 infers the data-parallel size as world / (tp*cp*pp). Throws
   // ValueError naming every factor when the sizes do not multiply to the world.
-  RankGrid(int world_size, int tp, int pp, int dp = 0, int cp = 1);
+  // ep: the expert-parallel size (ValueError unless it divides cp * dp).
+  RankGrid(int world_size, int tp, int pp, int dp = 0, int cp = 1, int ep = 1);
 
   int world_size() const { return world_size_; }
   int size(Axis axis) const { return sizes_[static_cast<int>(axis)]; }
@@ -53,6 +66,19 @@ class RankGrid {
   int cp() const { return size(Axis::kContext); }
   int dp() const { return size(Axis::kData); }
   int pp() const { return size(Axis::kPipeline); }
+  int ep() const { return ep_; }
+  int edp() const { return cp() * dp() / ep_; }  // expert-data-parallel size
+
+  // Expert-parallel and expert-data-parallel coordinates of a global rank.
+  int ep_rank(int rank) const;
+  int edp_rank(int rank) const;
+  // The ranks that shard the experts with `rank` (size ep), and those holding
+  // the same experts (size edp, the group expert gradients are reduced over).
+  std::vector<int> expert_group(int rank) const;
+  std::vector<int> expert_data_group(int rank) const;
+  // Every expert (expert-data) group, ordered by smallest rank.
+  std::vector<std::vector<int>> expert_groups() const;
+  std::vector<std::vector<int>> expert_data_groups() const;
 
   // Coordinates of a global rank, and back. Throw ValueError when out of range.
   Coord coord(int rank) const;
@@ -70,12 +96,19 @@ class RankGrid {
   // tied); a single rank when pp == 1.
   std::vector<int> embedding_group(int rank) const;
 
-  // "world 8 = tp 2 x cp 1 x dp 2 x pp 2".
+  // "world 8 = tp 2 x cp 1 x dp 2 x pp 2" (+ " (ep 2 x edp 1)" when ep > 1).
   std::string describe() const;
 
  private:
   int world_size_;
   std::array<int, kNumAxes> sizes_;  // indexed by Axis
+  int ep_ = 1;
+
+  // Ranks of rank's (tp, pp) position whose flat cp x dp index i satisfies keep(i).
+  template <typename Keep>
+  std::vector<int> data_ranks(int rank, Keep&& keep) const;
+  // The groups `group_of(r)` of every rank, each once, ordered by smallest rank.
+  std::vector<std::vector<int>> partition(const std::function<std::vector<int>(int)>& group_of) const;
 };
 
 }  // namespace mapp

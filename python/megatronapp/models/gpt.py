@@ -59,6 +59,24 @@ class GPTConfig:
     recompute_method: str | None = None  #: full: "uniform" or "block"
     recompute_num_layers: int | None = None  #: full: layers per group / first N layers
     distribute_saved_activations: bool = False  #: full: keep 1/tp of each layer input
+    # ---- mixture of experts (Megatron's --num-experts and --moe-* flags) ----
+    num_experts: int | None = None  #: None: dense MLPs everywhere
+    #: int N: every N-th layer (0, N, 2N, ...) is MoE; or a 0/1 list per layer
+    moe_layer_freq: int | list = 1
+    moe_ffn_hidden_size: int | None = None  #: default ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  #: or "sigmoid" (DeepSeek-V3)
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"  #: or "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  #: None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"  #: or "position"
+    moe_router_enable_expert_bias: bool = False  #: aux-loss-free balancing
+    moe_router_bias_update_rate: float = 1e-3
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_dispatch_compression: str = "none"  #: or "int8" (block-scaled token rows)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -73,9 +91,39 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.num_experts is not None:
+            self._check_moe()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r}: expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}: "
+                             "only alltoall is implemented")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs "
+                             "--moe-expert-capacity-factor")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or any(f not in (0, 1) for f in freq):
+                raise ValueError(f"--moe-layer-freq {list(freq)}: expected {self.num_layers} "
+                                 "entries of 0 (dense) or 1 (MoE), one per layer")
+        elif not isinstance(freq, int) or freq < 1:
+            raise ValueError(f"--moe-layer-freq {freq!r}: expected an int >= 1 or a 0/1 list")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has experts (Megatron's --moe-layer-freq)."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            return bool(freq[layer])
+        return layer % freq == 0
 
     def num_parameters(self) -> int:
         h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
@@ -204,7 +252,7 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: GPTConfig, state: ParallelState):
+    def __init__(self, cfg: GPTConfig, state: ParallelState, layer_number: int = 0):
         super().__init__()
         self.dropout_p, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
         # GPT-2 / Megatron scaled init of the output projections.
@@ -212,7 +260,12 @@ class TransformerLayer(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.attn = ParallelAttention(cfg, state, output_std)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = ParallelMLP(cfg, state, output_std)
+        if cfg.is_moe_layer(layer_number):
+            from ..moe import MoELayer  # the dense model does not import it
+            seed = int(torch.randint(0, 2**62, (1,)))  # from this layer's seeded stream
+            self.mlp = MoELayer(cfg, state, output_std, seed)
+        else:
+            self.mlp = ParallelMLP(cfg, state, output_std)
         _mark_sequence_parallel(self.ln1, cfg.sequence_parallel)
         _mark_sequence_parallel(self.ln2, cfg.sequence_parallel)
 
@@ -285,7 +338,7 @@ class GPTModel(nn.Module):
         layers = []
         for i in self.layer_numbers:
             with _seeded(base, 1 + i):
-                layers.append(TransformerLayer(cfg, state))
+                layers.append(TransformerLayer(cfg, state, i))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = self.output_layer = None
         if post_process:

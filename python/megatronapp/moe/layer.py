@@ -1,0 +1,123 @@
+"""The MoE layer: router, token dispatcher, local experts, combine.
+
+Input and output are the transformer's [s, b, h] (under sequence
+parallelism [s/tp, b, h]). Every tensor-parallel rank routes the same
+tokens (the sequence shards are gathered first), its expert-parallel peers
+are the ranks with the same tensor rank (``ParallelState.expert_group``),
+and the experts' tensor-parallel partial sums are reduced once, after the
+combine (all-reduce, or reduce-scatter back to the sequence shard).
+
+The router's auxiliary losses reach the router through backward without
+being added to the language-model loss: :class:`AuxLoss` passes the
+activations through unchanged and hands the aux loss a gradient of
+:func:`aux_loss_scale` (Megatron's MoEAuxLossAutoScaler), which the training
+step sets to 1 / microbatches (times the fp16 loss scale). The values of the
+last forward are kept in ``layer.last_aux_loss`` for logging.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel_state import ParallelState
+from ..tensor_parallel import mappings
+from .dispatcher import combine, dispatch
+from .experts import GroupedMLP
+from .router import Router
+
+_AUX_SCALE = [1.0]
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """What the aux losses' gradient is: 1 / microbatches x loss scale."""
+    _AUX_SCALE[0] = float(scale)
+
+
+def aux_loss_scale() -> float:
+    return _AUX_SCALE[0]
+
+
+class AuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.dtype, ctx.device = aux.dtype, aux.device
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), aux_loss_scale(), dtype=ctx.dtype, device=ctx.device)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the gradient times `scale` (the router's share of a gradient
+    that the tensor group's reduce-scatter sums)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg, state: ParallelState, output_std: float, seed: int):
+        super().__init__()
+        E, ep = cfg.num_experts, state.ep_size
+        if E % ep:
+            raise ValueError(f"--num-experts {E} is not divisible by "
+                             f"--expert-model-parallel-size {ep}")
+        self.cfg, self.state = cfg, state
+        self.num_experts, self.num_local = E, E // ep
+        self.sequence_parallel = cfg.sequence_parallel and state.tp_size > 1
+        self.router = Router(
+            cfg.hidden_size, E, cfg.moe_router_topk,
+            score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
+            load_balancing_type=cfg.moe_router_load_balancing_type,
+            aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
+            capacity_factor=cfg.moe_expert_capacity_factor,
+            drop_policy=cfg.moe_token_drop_policy,
+            enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            bias_update_rate=cfg.moe_router_bias_update_rate, init_std=cfg.init_method_std)
+        self.experts = GroupedMLP(
+            cfg.hidden_size, cfg.moe_ffn_hidden_size, state.ep_rank * self.num_local,
+            self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,
+            init_std=cfg.init_method_std, output_std=output_std)
+        self.group = state.expert_group
+        self.last_aux_loss = 0.0
+        self.last_tokens_per_expert: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp_group = self.state.tensor_group
+        if self.sequence_parallel:
+            full = mappings.gather_from_sequence_parallel_region(x, True, tp_group)
+            route_in = _ScaleGrad.apply(full, 1.0 / self.state.tp_size)
+            expert_in = full
+        else:
+            route_in = x
+            expert_in = mappings.copy_to_tensor_model_parallel_region(x, tp_group)
+        s, b, h = expert_in.shape
+        tokens = expert_in.reshape(s * b, h)
+        probs, idx, aux = self.router(route_in.reshape(s * b, h))
+        cap = self.router.capacity(s * b)
+        recv, tpe, plan = dispatch(
+            tokens, idx, self.num_experts, capacity=cap,
+            pad=bool(self.cfg.moe_pad_expert_input_to_capacity),
+            compression=self.cfg.moe_dispatch_compression, group=self.group)
+        self.last_tokens_per_expert = tpe.tolist()
+        y = self.experts(recv, self.last_tokens_per_expert)
+        # The experts' outputs are partial sums over the tensor group, so is
+        # the gradient of the routing weights: summed over it in backward.
+        probs = mappings.copy_to_tensor_model_parallel_region(probs.to(y.dtype), tp_group)
+        out = combine(y, probs, plan, group=self.group).view(s, b, h)
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(out, tp_group)
+        else:
+            out = mappings.reduce_from_tensor_model_parallel_region(out, tp_group)
+        self.last_aux_loss = float(aux.detach())
+        if aux.requires_grad and self.training:
+            out = AuxLoss.apply(out, aux)
+        return out

@@ -1,0 +1,265 @@
+"""Mixture of experts: router, dispatcher, expert parallelism, against an
+independent float64 reference written here with plain torch (no dispatcher,
+no grouped GEMM, one loop over tokens and experts)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch.nn.functional as F
+
+import torch
+from dist_harness import run_ranks
+
+S, B, H, FFN = 8, 2, 16, 32
+
+
+def moe_cfg(**kw):
+    base = dict(num_experts=8, hidden_size=H, moe_ffn_hidden_size=FFN, moe_router_topk=2,
+                moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=None,
+                moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
+                moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
+                moe_dispatch_compression="none", init_method_std=0.5, sequence_parallel=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def reference_moe(x, router_w, experts, cfg):
+    """out [T, h] and the aux loss, float64, by definition (Megatron's semantics)."""
+    T, E, k = x.shape[0], cfg.num_experts, cfg.moe_router_topk
+    logits = x @ router_w.t()
+    top, idx = torch.topk(logits, k, dim=-1)
+    probs = torch.softmax(top, dim=-1)
+    full = torch.softmax(logits, dim=-1)
+    load = torch.zeros(E, dtype=x.dtype)
+    for e in idx.reshape(-1).tolist():
+        load[e] += 1
+    aux = cfg.moe_aux_loss_coeff * E * (full.mean(0) * load / (T * k)).sum()
+    aux = aux + cfg.moe_z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+    keep = torch.ones(T, k, dtype=torch.bool)
+    if cfg.moe_expert_capacity_factor is not None:
+        cap = math.ceil(T * k / E * cfg.moe_expert_capacity_factor)
+        for e in range(E):
+            cands = [(float(probs[t, j]), -t, t, j) for t in range(T) for j in range(k)
+                     if int(idx[t, j]) == e]
+            cands.sort(reverse=True)  # highest weight first; ties: lower token first
+            for _, _, t, j in cands[cap:]:
+                keep[t, j] = False
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(x.shape[1], dtype=x.dtype)
+        for j in range(k):
+            if keep[t, j]:
+                fc1, fc2 = experts[int(idx[t, j])]
+                acc = acc + probs[t, j] * (F.gelu(x[t] @ fc1.t(), approximate="tanh") @ fc2.t())
+        rows.append(acc)
+    return torch.stack(rows), aux, int((~keep).sum())
+
+
+def _ep_layer(rank, world, ep, cfg_kw, tp=1):
+    import megatronapp as mapp
+    from megatronapp.moe import MoELayer, set_aux_loss_scale
+
+    state = mapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    cfg = moe_cfg(**cfg_kw)
+    torch.manual_seed(1234)  # router weights: the same draw on every rank
+    layer = MoELayer(cfg, state, output_std=0.3, seed=77)
+    set_aux_loss_scale(1.0)
+    g = torch.Generator().manual_seed(100 + state.dp_rank)  # tokens differ per data rank
+    x = torch.randn(S, B, H, generator=g).requires_grad_()
+    c = torch.randn(S, B, H, generator=g)
+    out = layer(x)
+    (out * c).sum().backward()
+    experts = {int(e): (m.fc1.detach().clone(), m.fc2.detach().clone(),
+                        m.fc1.grad.clone(), m.fc2.grad.clone())
+               for e, m in layer.experts.experts.items()}
+    return dict(x=x.detach(), c=c, out=out.detach(), gx=x.grad.clone(),
+                router=layer.router.weight.detach().clone(),
+                grouter=layer.router.weight.grad.clone(), experts=experts,
+                aux=layer.last_aux_loss, dropped=layer.router.last_dropped,
+                tp_rank=state.tp_rank, dp_rank=state.dp_rank,
+                groups=(state.group_ranks["ep"], state.group_ranks["edp"]))
+
+
+def _check_against_reference(results, cfg_kw, tp=1):
+    cfg = moe_cfg(**cfg_kw)
+    router = results[0]["router"].double()
+    # Full expert weights: tensor-parallel shards concatenated (fc1 rows, fc2 cols).
+    full = {}
+    for r in sorted(results, key=lambda r: r["tp_rank"]):
+        for e, (fc1, fc2, g1, g2) in r["experts"].items():
+            a = full.setdefault(e, {"fc1": {}, "fc2": {}, "g1": {}, "g2": {}})
+            a["fc1"][r["tp_rank"]], a["fc2"][r["tp_rank"]] = fc1, fc2
+            a["g1"][r["tp_rank"]], a["g2"][r["tp_rank"]] = g1, g2
+    assert sorted(full) == list(range(cfg.num_experts))
+    cat = {e: (torch.cat([v["fc1"][i] for i in range(tp)], 0).double().requires_grad_(),
+               torch.cat([v["fc2"][i] for i in range(tp)], 1).double().requires_grad_())
+           for e, v in full.items()}
+    router_w = router.clone().requires_grad_()
+    total = 0.0
+    ref_x_grads = {}
+    for r in results:
+        if r["tp_rank"] != 0 or r["dp_rank"] in ref_x_grads:
+            continue
+        x = r["x"].double().reshape(S * B, H).requires_grad_()
+        out, aux, dropped = reference_moe(x, router_w, cat, cfg)
+        torch.testing.assert_close(r["out"].double().reshape(S * B, H), out.detach(),
+                                   atol=1e-5, rtol=1e-5)
+        assert abs(r["aux"] - float(aux)) < 1e-6
+        assert r["dropped"] == dropped
+        loss = (out * r["c"].double().reshape(S * B, H)).sum() + aux
+        gx, = torch.autograd.grad(loss, x, retain_graph=True)
+        ref_x_grads[r["dp_rank"]] = gx
+        total = total + loss
+    total.backward()
+    for r in results:
+        torch.testing.assert_close(r["gx"].double().reshape(S * B, H), ref_x_grads[r["dp_rank"]],
+                                   atol=1e-5, rtol=1e-5)
+    # The router is replicated: the sum of the data ranks' gradients is the reference's.
+    g_router = sum(r["grouter"].double() for r in results if r["tp_rank"] == 0)
+    torch.testing.assert_close(g_router, router_w.grad, atol=1e-5, rtol=1e-5)
+    # Each expert's gradient lives on its owner: the reference's, over every rank's tokens.
+    for e, (fc1, fc2) in cat.items():
+        g1 = torch.cat([full[e]["g1"][i] for i in range(tp)], 0).double()
+        g2 = torch.cat([full[e]["g2"][i] for i in range(tp)], 1).double()
+        torch.testing.assert_close(g1, fc1.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g2, fc2.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_matches_reference(ep):
+    kw = {}
+    results = run_ranks(_ep_layer, ep, ep, kw)
+    assert results[0]["groups"][0] == list(range(ep))
+    _check_against_reference(results, kw)
+
+
+def test_expert_and_tensor_parallel_with_capacity_matches_reference():
+    kw = {"moe_expert_capacity_factor": 1.0}
+    results = run_ranks(_ep_layer, 4, 2, kw, 2)
+    assert results[0]["groups"] == ([0, 2], [0])  # ep over the data ranks of one tensor rank
+    assert results[0]["dropped"] > 0  # capacity 1.0 with random routing drops some
+    _check_against_reference(results, kw, tp=2)
+
+
+def test_capacity_infinity_equals_dropless_and_padding_changes_nothing():
+    import megatronapp  # noqa: F401  (registers the operators)
+    from megatronapp.moe import Router, combine, dispatch, plan_stats
+
+    torch.manual_seed(0)
+    T, E = 64, 8
+    router = Router(H, E, 2)
+    x = torch.randn(T, H)
+    outs = {}
+    for name, factor, pad in (("dropless", None, False), ("huge", 1e6, False),
+                              ("pad", 1e6, True)):
+        router.capacity_factor = factor
+        probs, idx, _ = router(x)
+        recv, tpe, plan = dispatch(x, idx, E, capacity=router.capacity(T), pad=pad)
+        outs[name] = combine(recv * 3.0, probs, plan)
+        if pad:
+            assert plan_stats(plan)["rows"] == E * router.capacity(T)
+    torch.testing.assert_close(outs["dropless"], outs["huge"], rtol=0, atol=0)
+    torch.testing.assert_close(outs["dropless"], outs["pad"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_token_drops_match_reference_count(policy):
+    import megatronapp  # noqa: F401
+    from megatronapp.moe import Router, combine, dispatch
+
+    torch.manual_seed(3)
+    T, E, k = 50, 4, 2
+    router = Router(H, E, k, capacity_factor=0.75, drop_policy=policy)
+    router.weight.data[0] += 2.0  # skew: expert 0 overloaded
+    x = torch.randn(T, H) + 0.5
+    probs, idx, _ = router(x)
+    cap = math.ceil(T * k / E * 0.75)
+    load = router.last_load.tolist()
+    expected = int(sum(max(0, c - cap) for c in load))
+    assert expected > 0 and router.last_dropped == expected
+    assert int((idx < 0).sum()) == expected
+    recv, tpe, plan = dispatch(x, idx, E, capacity=cap)
+    assert max(tpe.tolist()) <= cap
+    # A dropped assignment contributes nothing; a token dropped by every
+    # choice comes out as zeros (the residual carries it in a transformer).
+    out = combine(recv, probs, plan)
+    for t in range(T):
+        want = sum(float(probs[t, j]) * x[t] for j in range(k) if idx[t, j] >= 0)
+        torch.testing.assert_close(out[t], want if torch.is_tensor(want) else torch.zeros(H))
+
+
+def _zero_tokens(rank, world):
+    import megatronapp as mapp
+    from megatronapp.moe import combine, dispatch
+
+    state = mapp.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    E = 2 * world
+    torch.manual_seed(rank)
+    # Rank 1 has no tokens at all; every other rank sends only to rank 0's experts,
+    # so ranks > 0 receive nothing.
+    T = 0 if rank == 1 else 5
+    x = torch.randn(T, H, requires_grad=True)
+    idx = torch.randint(0, 2, (T, 2)) if T else torch.zeros(0, 2, dtype=torch.long)
+    idx[:, 1] = 1 - idx[:, 0] if T else idx[:, 1]
+    probs = torch.full((T, 2), 0.5, requires_grad=True)
+    recv, tpe, plan = dispatch(x, idx, E, group=state.expert_group)
+    y = recv * 2.0
+    out = combine(y, probs, plan, group=state.expert_group)
+    out.sum().backward()
+    return dict(x=x.detach(), out=out.detach(), gx=x.grad, gp=probs.grad,
+                received=int(recv.shape[0]), tpe=tpe.tolist())
+
+
+def test_a_rank_with_zero_tokens_works():
+    res = run_ranks(_zero_tokens, 3)
+    assert res[0]["received"] == 20  # 5 tokens x 2 choices from each of ranks 0 and 2
+    assert res[1]["received"] == 0 and res[2]["received"] == 0
+    assert res[1]["out"].shape == (0, H)
+    for r in (0, 2):
+        torch.testing.assert_close(res[r]["out"], 2.0 * res[r]["x"])  # 0.5 + 0.5 weights
+        torch.testing.assert_close(res[r]["gx"], torch.full((5, H), 2.0))
+        torch.testing.assert_close(res[r]["gp"], 2.0 * res[r]["x"].sum(1, keepdim=True)
+                                   .expand(5, 2))
+
+
+def _compressed(rank, world):
+    import megatronapp as mapp
+    from megatronapp.moe import dispatch
+
+    state = mapp.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    torch.manual_seed(rank)
+    x = torch.randn(40, 512) * torch.logspace(-2, 1, 40).unsqueeze(1)  # rows of every scale
+    idx = torch.stack([torch.arange(40) % 4, (torch.arange(40) + 1) % 4], 1)
+    exact, _, _ = dispatch(x, idx, 4, group=state.expert_group)
+    q, _, _ = dispatch(x, idx, 4, compression="int8", group=state.expert_group)
+    return exact, q
+
+
+def test_int8_dispatch_error_within_its_bound():
+    exact, q = run_ranks(_compressed, 2)[0]
+    # One scale per 256 values of a row: |error| <= absmax(block) / 254.
+    blocks = exact.reshape(exact.shape[0], -1, 256)
+    bound = blocks.abs().amax(-1, keepdim=True) / 254 + 1e-7
+    err = (q.reshape_as(blocks) - blocks).abs()
+    assert bool((err <= bound).all())
+    assert float(err.max()) > 0  # it did compress
+
+
+def test_bad_inputs_get_clear_errors():
+    import megatronapp  # noqa: F401
+    from megatronapp.moe import Router, dispatch
+
+    x = torch.randn(4, H)
+    with pytest.raises(Exception, match="names expert 9"):
+        dispatch(x, torch.tensor([[9, 0]] * 4), 4)
+    with pytest.raises(Exception, match="expert_idx must be"):
+        dispatch(x, torch.zeros(3, 2, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="--moe-router-topk 5"):
+        Router(H, 4, 5)
+    with pytest.raises(Exception, match="element-wise codec"):
+        dispatch(x, torch.zeros(4, 2, dtype=torch.long), 4, compression="powersgd:2")
