@@ -82,6 +82,10 @@ class Bucket:
     raw_bytes: int = 0
     sent_bytes: int = 0
     exact: bool = False  # never compressed (TP-replicated parameters)
+    # MoE experts: reduced over the expert-data-parallel group instead, and
+    # pre-scaled by 1 / ep so that the average is over all data ranks.
+    expert: bool = False
+    group: object = None  # the bucket's reduction group (set by the DDP)
 
 
 class DistributedDataParallel(nn.Module):
@@ -128,6 +132,15 @@ class DistributedDataParallel(nn.Module):
         # codec would quantize them differently on each tensor rank (their
         # buckets hold different shards) and the replicas would drift apart.
         self._exact_replicated = tp_size > 1
+        # Experts (megatronapp.moe) differ across the expert-parallel ranks of
+        # the data group: reduced over the expert-data-parallel group.
+        self.expert_group, self.ep_size = self.group, 1
+        if any(getattr(p, "expert_parallel", False) for p in module.parameters()):
+            st = parallel_state or get_parallel_state()
+            if process_group is not st.data_group:
+                raise ValueError("DistributedDataParallel with MoE experts reduces over the "
+                                 "grid's data and expert-data groups; do not pass process_group")
+            self.expert_group, self.ep_size = st.expert_data_group_or_data(), st.ep_size
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.bucket_size = int(bucket_size_mb * 1024 * 1024)
@@ -136,9 +149,14 @@ class DistributedDataParallel(nn.Module):
         self._check_replicas_match()
         if broadcast_parameters and self.world > 1:
             src = dist.get_global_rank(self.group, 0)
+            esrc = dist.get_global_rank(self.expert_group, 0)
             with torch.no_grad():
                 for p in module.parameters():
-                    dist.broadcast(p.data, src=src, group=self.group)
+                    if getattr(p, "expert_parallel", False):
+                        if self.expert_group.size() > 1:
+                            dist.broadcast(p.data, src=esrc, group=self.expert_group)
+                    else:
+                        dist.broadcast(p.data, src=src, group=self.group)
         self._sync_enabled = True
         # False inside deferred_grad_sync(): the caller finishes the step.
         self._finish_at_backward_end = True
@@ -152,7 +170,10 @@ class DistributedDataParallel(nn.Module):
 
     # ---- construction --------------------------------------------------------
     def _check_replicas_match(self) -> None:
-        desc = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+        # Expert names carry global expert ids, which differ across the
+        # expert-parallel ranks: compared by shape only.
+        desc = repr([("expert" if getattr(p, "expert_parallel", False) else n, tuple(p.shape),
+                      str(p.dtype), p.requires_grad)
                      for n, p in self.module.named_parameters()])
         mine = torch.tensor([zlib.crc32(desc.encode())], dtype=torch.int64)
         if self.world == 1:
@@ -181,19 +202,20 @@ class DistributedDataParallel(nn.Module):
                 # shards can be summed over the embedding group.
                 self._add_bucket([p])
                 continue
-            key = (p.dtype, self._exact_replicated and not is_tensor_parallel(p))
+            key = (p.dtype, self._exact_replicated and not is_tensor_parallel(p),
+                   getattr(p, "expert_parallel", False))
             lst = current.setdefault(key, [])
             lst.append(p)
             size[key] = size.get(key, 0) + p.numel() * p.element_size()
             if size[key] >= self.bucket_size:
-                self._add_bucket(lst, exact=key[1])
+                self._add_bucket(lst, exact=key[1], expert=key[2])
                 current[key], size[key] = [], 0
         for key, lst in current.items():
             if lst:
-                self._add_bucket(lst, exact=key[1])
+                self._add_bucket(lst, exact=key[1], expert=key[2])
         self._param_bucket = {p: b for b in self.buckets for p in b.params}
 
-    def _add_bucket(self, params: list, exact: bool = False) -> None:
+    def _add_bucket(self, params: list, exact: bool = False, expert: bool = False) -> None:
         offsets, n, layout = [], 0, []
         for p in params:
             offsets.append(n)
@@ -204,7 +226,8 @@ class DistributedDataParallel(nn.Module):
         grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
         grad = torch.zeros(n, dtype=grad_dtype, device=device)
         b = Bucket(index=len(self.buckets), params=params, offsets=offsets, numel=n,
-                   dtype=dtype, grad_data=grad, layout=layout, exact=exact)
+                   dtype=dtype, grad_data=grad, layout=layout, exact=exact, expert=expert,
+                   group=self.expert_group if expert else self.group)
         self.buckets.append(b)
         self._attach_grads(b, zero=True)
 
@@ -255,7 +278,8 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             for b in self.buckets:
                 spec = "none" if b.exact else lossy
-                padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, self.world) * self.world
+                world = b.group.size()
+                padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, world) * world
                 grad = torch.zeros(padded, dtype=b.grad_data.dtype, device=b.grad_data.device)
                 grad[: b.numel].copy_(b.grad_data)
                 b.grad_data = grad
@@ -267,7 +291,7 @@ class DistributedDataParallel(nn.Module):
                 for p, off in zip(b.params, b.offsets, strict=True):
                     b.param_data[off: off + p.numel()].copy_(p.data.reshape(-1))
                     p.data = b.param_data[off: off + p.numel()].view_as(p)
-                b.shard = torch.zeros(padded // self.world, dtype=torch.float32, device=grad.device)
+                b.shard = torch.zeros(padded // world, dtype=torch.float32, device=grad.device)
                 b.state.clear()
 
     # ---- per-step machinery ----------------------------------------------------
@@ -336,7 +360,11 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, b: Bucket) -> None:
         spec = self._spec(b)
         state = self._codec_state(b, spec)
-        name = self.group.group_name
+        name = b.group.group_name
+        if b.expert and self.ep_size > 1:
+            # Summed over ep ranks' tokens by the dispatcher already; the
+            # reduction averages over edp: 1/ep more makes it 1/dp.
+            b.grad_data.mul_(1.0 / self.ep_size)
         if self._zero:
             b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
                 b.grad_data, spec, state, b.layout, b.shard, True, name)
@@ -407,7 +435,7 @@ class DistributedDataParallel(nn.Module):
 
     def _codec_state(self, b: Bucket, spec: str) -> list:
         if spec not in b.state:
-            b.state[spec] = codec_state(spec, b.grad_data.numel(), self.world, b.layout,
+            b.state[spec] = codec_state(spec, b.grad_data.numel(), b.group.size(), b.layout,
                                         b.grad_data.device, seed=b.index)
         return b.state[spec]
 

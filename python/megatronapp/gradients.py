@@ -28,9 +28,15 @@ from .tensor_parallel.utils import is_tensor_parallel
 __all__ = ["counted", "global_norm", "clip_", "clip_grad_norm_"]
 
 
-def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
-    """Whether `param`'s gradient enters the norm on this rank."""
+def counted(param: torch.Tensor, state: ParallelState | None,
+            experts_summed: bool = False) -> bool:
+    """Whether `param`'s gradient enters the norm on this rank. With
+    `experts_summed` (the norm is then summed over the expert-parallel
+    group too) parameters other than experts count on ep rank 0 only."""
     if getattr(param, "shared_embedding_replica", False):
+        return False
+    if experts_summed and state is not None and state.ep_rank != 0 \
+            and not getattr(param, "expert_parallel", False):
         return False
     tp_rank = state.tp_rank if state is not None else 0
     return is_tensor_parallel(param) or tp_rank == 0
@@ -38,10 +44,17 @@ def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
 
 @torch.no_grad()
 def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGroup],
-                device: torch.device | None = None) -> float:
+                device: torch.device | None = None,
+                expert_group: dist.ProcessGroup | None = None) -> float:
     """L2 norm of the counted gradients of `pairs`, summed over `groups`
-    (e.g. the data group for ZeRO-1 shards, then the model group)."""
-    grads = [g for p, g in pairs if counted(p, state)]
+    (e.g. the data group for ZeRO-1 shards, then the model group). MoE
+    experts are distinct on each rank of `expert_group` (full gradients under
+    expert parallelism): the sum also runs over it, the other parameters
+    counting on its rank 0 only."""
+    summed = expert_group is not None and expert_group.size() > 1
+    grads = [g for p, g in pairs if counted(p, state, summed)]
+    if summed:
+        groups = [expert_group, *groups]
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -66,10 +79,11 @@ def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
 
 
 def clip_grad_norm_(pairs, max_norm: float, state: ParallelState | None,
-                    groups: list[dist.ProcessGroup], device: torch.device | None = None) -> float:
+                    groups: list[dist.ProcessGroup], device: torch.device | None = None,
+                    expert_group: dist.ProcessGroup | None = None) -> float:
     """:func:`global_norm` of `pairs`, then :func:`clip_` of all their
     gradients; returns the norm before clipping."""
     pairs = list(pairs)
-    norm = global_norm(pairs, state, groups, device)
+    norm = global_norm(pairs, state, groups, device, expert_group)
     clip_([g for _, g in pairs], max_norm, norm)
     return norm

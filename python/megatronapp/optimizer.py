@@ -161,6 +161,11 @@ class MixedPrecisionOptimizer:
     def _norm_groups(self) -> list:
         return [self.state_mp.model_group] if self.state_mp else []
 
+    def _expert_norm_group(self):
+        """Full (unsharded) gradients: experts' squares are summed over the
+        expert-parallel group as well (see gradients.global_norm)."""
+        return self.state_mp.expert_group if self.state_mp else None
+
     @torch.no_grad()
     def _write_back(self) -> None:
         for pc in self._pieces:
@@ -189,7 +194,8 @@ class MixedPrecisionOptimizer:
         that is not finite marks the step as overflowed: step() skips it."""
         norm = gradients.global_norm(self.grad_shards(), self.state_mp, self._norm_groups(),
                                      device=self.buckets[0].grad_data.device
-                                     if self.buckets else None)
+                                     if self.buckets else None,
+                                     expert_group=self._expert_norm_group())
         # Only a loss-scaled (fp16) run skips a step on overflow, as Megatron.
         self._found_inf = self.grad_scaler is not None and not math.isfinite(norm)
         if not self._found_inf:
@@ -266,8 +272,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     sharded = True
 
     def _chunk_range(self, b) -> tuple:
-        chunk = b.param_data.numel() // self.world
-        return self.rank * chunk, (self.rank + 1) * chunk
+        # A bucket's own group: the data group, or for MoE experts the
+        # expert-data-parallel group.
+        world, rank = b.group.size(), b.group.rank()
+        chunk = b.param_data.numel() // world
+        return rank * chunk, (rank + 1) * chunk
 
     def _param_values(self, b, p, off, lo, hi):
         return b.param_data[lo:hi]
@@ -275,8 +284,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _grad_of(self, pc):
         return pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
 
-    def _norm_groups(self) -> list:  # the shards are summed over dp too
+    def _norm_groups(self) -> list:
+        # The shards are summed over dp too. An expert's shards partition it
+        # over its edp ranks, and the experts partition over the ep ranks, so
+        # summing over the whole data group counts every expert once as well.
         return [self.group] + super()._norm_groups()
+
+    def _expert_norm_group(self):
+        return None
 
     @torch.no_grad()
     def _write_back(self) -> None:
@@ -284,4 +299,4 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
         for b in self.buckets:
             lo, hi = self._chunk_range(b)
-            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, self.group))
+            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, b.group))

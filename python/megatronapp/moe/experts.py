@@ -72,7 +72,7 @@ class GroupedMLP(nn.Module):
         self.ids = list(range(first, first + num_local))
         experts = {}
         for e in self.ids:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + 104_729 * (e + 1))
+            g = torch.Generator().manual_seed((seed * 1_000_003 + 104_729 * (e + 1)) % (2**63 - 1))
             fc1 = torch.empty(ffn_hidden_size, hidden_size).normal_(0.0, init_std, generator=g)
             fc2 = torch.empty(hidden_size, ffn_hidden_size).normal_(0.0, output_std, generator=g)
             ex = Expert(fc1[lo:lo + shard].clone(), fc2[:, lo:lo + shard].clone())

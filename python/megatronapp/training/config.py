@@ -128,6 +128,53 @@ class ModelConfig:
 
 
 @dataclass
+class MoEConfig:
+    num_experts: int | None = _flag(None, "mixture of experts: experts per MoE layer "
+                                    "(default: dense MLPs)")
+    expert_model_parallel_size: int = _flag(1, "ranks the experts are sharded over (ep), "
+                                            "carved out of the data-parallel ranks")
+    moe_layer_freq: str = _flag("1", "N: every N-th layer is MoE; or a 0/1 list per layer, "
+                                "e.g. [0,1,0,1]", metavar="N|LIST")
+    moe_ffn_hidden_size: int | None = _flag(None, "expert MLP hidden size (default "
+                                            "--ffn-hidden-size)")
+    moe_router_topk: int = _flag(2, "experts per token")
+    moe_router_score_function: str = _flag("softmax", "sigmoid: DeepSeek-V3's scores",
+                                           choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = _flag(False, "softmax over all experts before the top-k")
+    moe_router_load_balancing_type: str = _flag("aux_loss", "load-balancing loss",
+                                                choices=("aux_loss", "none"))
+    moe_aux_loss_coeff: float = _flag(0.0, "weight of the load-balancing loss (e.g. 1e-2)")
+    moe_z_loss_coeff: float | None = _flag(None, "weight of the router z-loss (e.g. 1e-3)")
+    moe_router_enable_expert_bias: bool = _flag(
+        False, "auxiliary-loss-free balancing: a per-expert selection bias nudged after every "
+        "step (DeepSeek-V3; use with --moe-router-score-function sigmoid)")
+    moe_router_bias_update_rate: float = _flag(1e-3, "step of the expert bias update")
+    moe_expert_capacity_factor: float | None = _flag(
+        None, "an expert takes at most factor x tokens x topk / experts tokens; the rest are "
+        "dropped (default: dropless)")
+    moe_pad_expert_input_to_capacity: bool = _flag(
+        False, "pad every expert's input to its capacity (static shapes)")
+    moe_token_drop_policy: str = _flag("probs", "which tokens an over-full expert keeps",
+                                       choices=("probs", "position"))
+    moe_token_dispatcher_type: str = _flag("alltoall", "token dispatcher",
+                                           choices=("alltoall",))
+    moe_dispatch_compression: str = _flag(
+        "none", "send dispatched tokens as int8[:block] (block-scaled, ~1/4 of the fp32 bytes) "
+        "or bf16/fp16; the combine stays in full precision", metavar="SPEC")
+
+    def layer_freq(self):
+        """--moe-layer-freq as an int or a list of 0/1."""
+        import ast
+
+        try:
+            v = ast.literal_eval(str(self.moe_layer_freq))
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"--moe-layer-freq {self.moe_layer_freq!r}: expected an int or a "
+                              "list like [0,1,0,1]") from None
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+
+@dataclass
 class RecomputeConfig:
     recompute_activations: bool = _flag(
         False, "shorthand for --recompute-granularity selective")
@@ -268,6 +315,7 @@ SECTIONS = (
     ("parallel", "parallelism", ParallelConfig),
     ("data_parallel", "data parallelism", DataParallelConfig),
     ("model", "model", ModelConfig),
+    ("moe", "mixture of experts", MoEConfig),
     ("precision", "mixed precision", PrecisionConfig),
     ("recompute", "activation recomputation", RecomputeConfig),
     ("optim", "training", OptimConfig),
@@ -297,6 +345,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -398,6 +447,7 @@ class Config:
             raise ConfigError(f"--bucket-size-mb must be positive, got "
                               f"{self.data_parallel.bucket_size_mb}")
         self._check_precision_and_recompute(tp > 1 and par.sequence_parallel)
+        self._check_moe(dp)
         ck = self.checkpoint
         if ck.save_interval is not None and ck.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
@@ -415,6 +465,64 @@ class Config:
             raise ConfigError("--trace-detect-interval needs --trace")
         self._check_data()
         return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+
+    def _check_moe(self, dp: int) -> None:
+        moe, ep = self.moe, self.moe.expert_model_parallel_size
+        if ep < 1:
+            raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+        if moe.num_experts is None:
+            if ep > 1:
+                raise ConfigError("--expert-model-parallel-size needs --num-experts")
+            return
+        if dp % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the "
+                              f"data-parallel size {dp}: experts are sharded over data-parallel "
+                              "ranks")
+        if moe.num_experts % ep:
+            raise ConfigError(f"--num-experts {moe.num_experts} is not divisible by "
+                              f"--expert-model-parallel-size {ep}")
+        ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size or 4 * self.model.hidden_size
+        if ffn % self.parallel.tensor_model_parallel_size:
+            raise ConfigError(f"the expert hidden size {ffn} is not divisible by "
+                              f"--tensor-model-parallel-size "
+                              f"{self.parallel.tensor_model_parallel_size}")
+        if moe.moe_dispatch_compression not in ("none", "bf16", "fp16") and \
+                not moe.moe_dispatch_compression.startswith("int8"):
+            raise ConfigError(f"--moe-dispatch-compression {moe.moe_dispatch_compression!r}: "
+                              "expected none, int8[:block], bf16 or fp16")
+        try:
+            from ..models.gpt import GPTConfig
+
+            GPTConfig(vocab_size=128, hidden_size=self.model.hidden_size,
+                      num_layers=self.model.num_layers,
+                      num_attention_heads=self.model.num_attention_heads,
+                      **self.moe_model_kwargs())
+            from ..moe import Router
+
+            Router(1, moe.num_experts, moe.moe_router_topk,
+                   capacity_factor=moe.moe_expert_capacity_factor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def moe_model_kwargs(self) -> dict:
+        """The GPTConfig fields of the MoE flags (empty for a dense model)."""
+        moe = self.moe
+        if moe.num_experts is None:
+            return {}
+        return dict(
+            num_experts=moe.num_experts, moe_layer_freq=moe.layer_freq(),
+            moe_ffn_hidden_size=moe.moe_ffn_hidden_size, moe_router_topk=moe.moe_router_topk,
+            moe_router_score_function=moe.moe_router_score_function,
+            moe_router_pre_softmax=moe.moe_router_pre_softmax,
+            moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=moe.moe_aux_loss_coeff, moe_z_loss_coeff=moe.moe_z_loss_coeff,
+            moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=moe.moe_pad_expert_input_to_capacity,
+            moe_token_drop_policy=moe.moe_token_drop_policy,
+            moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
+            moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+            moe_dispatch_compression=moe.moe_dispatch_compression)
 
     def _check_data(self) -> None:
         from ..data.gpt_dataset import parse_data_path, parse_split

@@ -52,8 +52,14 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
         if isinstance(chunk, GradSync):
             chunk.finish_grad_sync()
         elif state.dp_size > 1:
-            grads = [p.grad for p in chunk.parameters() if p.grad is not None]
-            _collectives.coalesced_all_reduce_(grads, state.data_group, scale=1.0 / state.dp_size)
+            dense, experts = [], []
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    (experts if getattr(p, "expert_parallel", False) else dense).append(p.grad)
+            _collectives.coalesced_all_reduce_(dense, state.data_group, scale=1.0 / state.dp_size)
+            if experts:  # summed over ep by the dispatcher; over edp here: 1/dp in all
+                _collectives.coalesced_all_reduce_(experts, state.expert_data_group_or_data(),
+                                                   scale=1.0 / state.dp_size)
     if isinstance(optimizer, MixedPrecisionOptimizer):  # fp32 main gradients (ZeRO: shards)
         pairs = optimizer.grad_shards()
     else:
@@ -78,7 +84,8 @@ def finish_gradients(model, optimizer, parallel_state: ParallelState | None = No
     pairs = finalize_model_grads(model, state, optimizer=optimizer)
     if isinstance(optimizer, MixedPrecisionOptimizer):  # ZeRO shards: summed over dp too
         return optimizer.clip_grad_norm_(max_norm)
-    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group])
+    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group],
+                                     expert_group=state.expert_group)
 
 
 @torch.no_grad()
@@ -88,4 +95,5 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     group is at most `max_norm`; returns the norm before clipping."""
     state = resolve_state(parallel_state)
     pairs = [(p, p.grad) for p in parameters if p.grad is not None]
-    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group])
+    return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group],
+                                     expert_group=state.expert_group)

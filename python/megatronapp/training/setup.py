@@ -73,7 +73,8 @@ class Run:
         """The model fields a checkpoint must agree on."""
         return {k: getattr(self.model_config, k) for k in (
             "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length",
-            "ffn_hidden_size", "share_embeddings_and_output_weights")}
+            "ffn_hidden_size", "share_embeddings_and_output_weights", "num_experts",
+            "moe_ffn_hidden_size", "moe_layer_freq")}
 
     @property
     def is_logger(self) -> bool:
@@ -214,7 +215,8 @@ def build_parallel_state(config: Config, *, install: bool = False) -> ParallelSt
     make = ps.initialize_model_parallel if install else ps.create_parallel_state
     return make(tensor_model_parallel_size=par.tensor_model_parallel_size,
                 pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+                expert_model_parallel_size=config.moe.expert_model_parallel_size)
 
 
 def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GPTConfig:
@@ -231,7 +233,8 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
         recompute_granularity=config.recompute.granularity(),
         recompute_method=config.recompute.recompute_method,
         recompute_num_layers=config.recompute.recompute_num_layers,
-        distribute_saved_activations=config.recompute.distribute_saved_activations)
+        distribute_saved_activations=config.recompute.distribute_saved_activations,
+        **config.moe_model_kwargs())
 
 
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
