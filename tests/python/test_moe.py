@@ -326,3 +326,22 @@ def test_moe_gpt_learns_better_than_dense_with_the_same_active_parameters(tmp_pa
     dense = run_ranks(_train, 4, steps + ["--ffn-hidden-size", "128"], str(tmp_path / "d"))[0]
     tail = slice(-5, None)
     assert sum(moe[tail]) < sum(dense[tail]), (moe[tail], dense[tail])
+
+
+def _count(rank, world):
+    import megatronapp as mapp
+    from megatronapp.models.gpt import GPTConfig, GPTModel
+
+    state = mapp.initialize_model_parallel(1, 1)
+    cfg = GPTConfig(vocab_size=128, hidden_size=32, num_layers=3, num_attention_heads=4,
+                    seq_length=16, num_experts=4, moe_layer_freq=[0, 1, 1],
+                    moe_ffn_hidden_size=48, moe_router_topk=2)
+    model = GPTModel(cfg, parallel_state=state)
+    return sum(p.numel() for p in model.parameters()), cfg.num_parameters(), \
+        cfg.num_parameters(active=True)
+
+
+def test_parameter_count_of_an_moe_config_is_the_models():
+    real, counted, active = run_ranks(_count, 1)[0]
+    assert real == counted
+    assert active == counted - 2 * (4 - 2) * 2 * 32 * 48  # two MoE layers, 2 idle experts

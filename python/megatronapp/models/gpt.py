@@ -125,12 +125,22 @@ class GPTConfig:
             return bool(freq[layer])
         return layer % freq == 0
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters; with ``active``, those one token uses (MoE layers
+        count the router and top-k experts)."""
         h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
                          self.seq_length, self.num_layers)
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        attn = 4 * h + (3 * h * h + 3 * h) + (h * h + h)
+        dense_mlp = (h * f + f) + (f * h + h)
+        total = 0
+        for i in range(n):
+            if self.is_moe_layer(i):
+                experts = self.moe_router_topk if active else self.num_experts
+                total += attn + self.num_experts * h + experts * 2 * h * self.moe_ffn_hidden_size
+            else:
+                total += attn + dense_mlp
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return v * h + s * h + n * per_layer + 2 * h + out
+        return v * h + s * h + total + 2 * h + out
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

@@ -216,8 +216,11 @@ class ProgressHook(Hook):
         if not run.is_logger:
             return
         cfg = run.config
+        mc = run.model_config
+        active = (f" ({mc.num_parameters(active=True) / 1e6:.2f}M active)"
+                  if mc.num_experts is not None else "")
         print(f"[megatronapp] {run.state.describe()}; model "
-              f"{run.model_config.num_parameters() / 1e6:.2f}M parameters, vocab "
+              f"{mc.num_parameters() / 1e6:.2f}M parameters{active}, vocab "
               f"{run.model_config.vocab_size}, "
               f"{cfg.optim.global_batch_size * cfg.model.seq_length} tokens per iteration",
               flush=True)
