@@ -9,6 +9,7 @@
 #include <cstring>
 #include <ctime>
 #include <new>
+#include <vector>
 
 #include "mapp/common/check.h"
 #include "shm_segment.h"
@@ -59,6 +60,8 @@ const char* op_name(std::uint32_t op) {
       return "reduce_scatter";
     case 4:
       return "all_to_all";
+    case 5:
+      return "all_to_all_v";
     default:
       return "?";
   }
@@ -278,6 +281,48 @@ void ShmGroup::all_to_all(const void* in, std::size_t bytes, void* out,
     if (off == 0) verify(set);
     for (int m = 0; m < world_; ++m)
       std::memcpy(dst + m * bytes + off, slot(area, m) + rank_ * cnt, cnt);
+  }
+}
+
+void ShmGroup::all_to_all_v(const void* in, const std::size_t* send, void* out,
+                            const std::size_t* recv, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "all_to_all_v");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<std::size_t> send_off(world_ + 1, 0), recv_off(world_ + 1, 0);
+  std::size_t mine = 0;  // the largest chunk this member moves
+  for (int m = 0; m < world_; ++m) {
+    send_off[m + 1] = send_off[m] + send[m];
+    recv_off[m + 1] = recv_off[m] + recv[m];
+    mine = std::max({mine, send[m], recv[m]});
+  }
+  // The members' largest chunks decide how many pieces everyone moves: each
+  // announces its own, and after one barrier all read the maximum.
+  const int set = announce(5, mine, 1);
+  barrier("all_to_all_v", deadline);
+  const Call* c = calls(set);
+  std::size_t most = 0;
+  for (int m = 0; m < world_; ++m) {
+    if (c[m].op != 5) verify(set);  // throws, naming every member's call
+    most = std::max<std::size_t>(most, c[m].bytes);
+  }
+  const auto* src = static_cast<const std::uint8_t*>(in);
+  auto* dst = static_cast<std::uint8_t*>(out);
+  const std::size_t step = slot_bytes_ / world_;
+  const auto part = [step](std::size_t total, std::size_t off) {
+    return off >= total ? std::size_t{0} : std::min(step, total - off);
+  };
+  for (std::size_t off = 0; off < most; off += step) {
+    const int area = static_cast<int>(piece_++ & 1);
+    for (int m = 0; m < world_; ++m) {
+      if (const std::size_t n = part(send[m], off))
+        std::memcpy(slot(area, rank_) + m * step, src + send_off[m] + off, n);
+    }
+    barrier("all_to_all_v", deadline);
+    for (int m = 0; m < world_; ++m) {
+      if (const std::size_t n = part(recv[m], off))
+        std::memcpy(dst + recv_off[m] + off, slot(area, m) + rank_ * step, n);
+    }
   }
 }
 

@@ -130,14 +130,24 @@ at::Tensor exchange_rows(const at::Tensor& in, const std::vector<std::int64_t>& 
   shape[0] = rows_out;
   at::Tensor out = at::empty(shape, in.options());
   const std::int64_t row_bytes = row_numel(in) * in.element_size();
-  // One byte column per row byte: splits stay in rows. Zero-size tensors are
-  // given one byte of storage so that every backend accepts them.
+  // One byte column per row byte: splits stay in rows, any dtype moves.
   at::Tensor src = in.contiguous().view(at::kByte).reshape({in.size(0), row_bytes});
   at::Tensor dst = out.view(at::kByte).reshape({rows_out, row_bytes});
-  std::vector<std::int64_t> s = send, r = recv;
   const std::int64_t bytes = src.numel();
-  internal::run(
-      op, group_name, [&] { return pg->alltoall_base(dst, src, r, s); }, bytes);
+  if (auto shm = internal::shm_for(src, group_name)) {  // one node: through shared memory
+    std::vector<std::size_t> sb(send.size()), rb(recv.size());
+    for (std::size_t i = 0; i < send.size(); ++i) {
+      sb[i] = static_cast<std::size_t>(send[i] * row_bytes);
+      rb[i] = static_cast<std::size_t>(recv[i] * row_bytes);
+    }
+    internal::traced(op, group_name, bytes, [&] {
+      shm->all_to_all_v(src.data_ptr(), sb.data(), dst.data_ptr(), rb.data(),
+                        internal::collective_timeout());
+    });
+    return out;
+  }
+  std::vector<std::int64_t> s = send, r = recv;
+  internal::run(op, group_name, [&] { return pg->alltoall_base(dst, src, r, s); }, bytes);
   return out;
 }
 

@@ -98,6 +98,44 @@ TEST(ShmGroup, AllGatherAllToAllAndReduceScatterMatchClosedForm) {
   });
 }
 
+// Uneven all-to-all: member i sends (i + 2 * j) * 37 % 101 floats to member j
+// (some zero), across pieces of a small slot; then a member with nothing to
+// send or receive at all.
+TEST(ShmGroup, UnevenAllToAllMatchesClosedForm) {
+  run_members(3, 192, unique_name("a2av"), [](ShmGroup& g) {
+    const int w = g.world(), me = g.rank();
+    const auto count = [](int i, int j) {
+      return static_cast<std::size_t>((i + 2 * j) * 37 % 101 % 50);
+    };
+    std::vector<std::size_t> send(w), recv(w);
+    std::vector<float> in, out;
+    for (int j = 0; j < w; ++j) {
+      send[j] = count(me, j) * sizeof(float);
+      recv[j] = count(j, me) * sizeof(float);
+      for (std::size_t i = 0; i < count(me, j); ++i)
+        in.push_back(static_cast<float>(me * 10000 + j * 100 + i));
+    }
+    std::size_t total = 0;
+    for (int j = 0; j < w; ++j) total += count(j, me);
+    out.assign(total, -1.0F);
+    g.all_to_all_v(in.data(), send.data(), out.data(), recv.data(), milliseconds(20000));
+    std::size_t k = 0;
+    for (int j = 0; j < w; ++j) {
+      for (std::size_t i = 0; i < count(j, me); ++i, ++k) {
+        if (out[k] != static_cast<float>(j * 10000 + me * 100 + i)) return 1;
+      }
+    }
+    // Member 1 neither sends nor receives; 0 and 2 swap one float.
+    const std::vector<std::size_t> s1 =
+        me == 1 ? std::vector<std::size_t>{0, 0, 0}
+                : std::vector<std::size_t>{me == 2 ? 4U : 0U, 0, me == 0 ? 4U : 0U};
+    float x = static_cast<float>(me), y = -1.0F;
+    g.all_to_all_v(&x, s1.data(), &y, s1.data(), milliseconds(20000));
+    if (me != 1 && y != static_cast<float>(2 - me)) return 2;
+    return 0;
+  });
+}
+
 TEST(ShmGroup, MissingMemberTimesOutThenRefusesFurtherUse) {
   auto g = ShmGroup::create(unique_name("to"), 0, 2, 256);
   float x = 1.0F;

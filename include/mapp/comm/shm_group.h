@@ -75,6 +75,12 @@ class ShmGroup {
   // `in` and `out` hold world chunks of `bytes` each: chunk j of member i's
   // `in` lands in chunk i of member j's `out`.
   void all_to_all(const void* in, std::size_t bytes, void* out, std::chrono::milliseconds timeout);
+  // Uneven all-to-all: member i's `send[j]` bytes (at `in` + send[0] + ... +
+  // send[j-1]) land at member j's `out` + recv[0] + ... + recv[i-1], where
+  // member j's recv[i] must equal member i's send[j]. Every member calls it,
+  // also with nothing to send or receive (the MoE dispatcher's exchange).
+  void all_to_all_v(const void* in, const std::size_t* send, void* out, const std::size_t* recv,
+                    std::chrono::milliseconds timeout);
   // `in` holds world chunks of `bytes` each; `out` (bytes) receives the sum of
   // every member's chunk `rank`.
   void reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,
