@@ -60,8 +60,9 @@ class _A2A:
 
     @staticmethod
     def apply(x, out_splits, in_splits, group):
-        import torch
         import torch.distributed as dist
+
+        import torch
 
         class F(torch.autograd.Function):
             @staticmethod
@@ -80,8 +81,9 @@ class _A2A:
 
 def torch_moe(x, idx, probs, E, group):
     """The baseline: dispatch, identity experts x 2, combine (pure torch)."""
-    import torch
     import torch.distributed as dist
+
+    import torch
 
     T, k = idx.shape
     ep = group.size()
@@ -120,10 +122,10 @@ def our_moe(x, idx, probs, E, group, compression):
 def rank_main(rank, world, port, master, args):
     if master != "127.0.0.1":
         os.environ["GLOO_SOCKET_IFNAME"] = DEV[rank]
-    import torch
     import torch.distributed as dist
 
     import megatronapp as mapp
+    import torch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,

@@ -75,6 +75,11 @@ def link_delay() -> dict | None:
     return spec
 
 
+def expert_skew() -> dict | None:
+    """The parsed MAPP_INJECT_EXPERT_SKEW ({"expert": E, "boost": B}), or None."""
+    return _parse("MAPP_INJECT_EXPERT_SKEW", {"expert": int, "boost": float})
+
+
 def apply_slowdown(modules, rank: int) -> bool:
     """Hooks `modules` (e.g. every transformer layer) if MAPP_INJECT_SLOWDOWN
     names `rank`. Returns whether anything was hooked."""

@@ -42,6 +42,9 @@ const std::vector<Tunable>& tunables() {
        "fault injection: 'rank=R,iteration=I' SIGKILLs rank R at the start of iteration I"},
       {"MAPP_INJECT_LINK_DELAY", "",
        "fault injection: 'rank=R,peer=P,ms=M' delays every pipeline message R->P by M ms"},
+      {"MAPP_INJECT_EXPERT_SKEW", "",
+       "fault injection: 'expert=E,boost=B' adds B to every MoE router's logit of expert E "
+       "(overloads the rank holding it)"},
   };
   return table;
 }

@@ -5,6 +5,7 @@ no grouped GEMM, one loop over tokens and experts)."""
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -345,3 +346,38 @@ def test_parameter_count_of_an_moe_config_is_the_models():
     real, counted, active = run_ranks(_count, 1)[0]
     assert real == counted
     assert active == counted - 2 * (4 - 2) * 2 * 32 * 48  # two MoE layers, 2 idle experts
+
+
+def _traced_moe(rank, world, flags, out_dir, env):
+    os.environ.update(env)
+    from megatronapp.pretrain import build_parser, train
+
+    args = build_parser().parse_args(flags + ["--output-dir", out_dir, "--trace",
+                                              "--trace-dir", out_dir + "/trace"])
+    return train(args).get("trace")
+
+
+@pytest.mark.timeout(600)
+def test_detector_names_the_rank_whose_experts_are_overloaded(tmp_path):
+    """Expert 0 (on ep rank 0 = rank 0) gets every token's first choice: rank 0
+    computes about half of all expert rows, and the detector names it, by its
+    expert compute. The dispatcher's exchanges are in the trace with their
+    group and sequence number."""
+    from megatronapp.trace.aggregate import load_trace
+    from megatronapp.trace.detect import detect_dir
+
+    flags = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+             "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--train-iters", "6", "--eval-iters", "1", "--no-progress", "--log-interval",
+             "1000", "--no-watchdog", "--num-experts", "8", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "512", "--expert-model-parallel-size", "4"]
+    run_ranks(_traced_moe, 4, flags, str(tmp_path),
+              {"MAPP_INJECT_EXPERT_SKEW": "expert=0,boost=20"})
+    trace_dir = str(tmp_path / "trace")
+    report = detect_dir(trace_dir)
+    assert report["suspects"] and report["suspects"][0]["rank"] == 0, report["all"]
+    assert report["suspects"][0]["cause"].startswith("compute")
+    assert "moe_experts" in report["suspects"][0]["cause"], report["suspects"][0]
+    events = load_trace(os.path.join(trace_dir, "trace.rank1.json"))
+    moe = [e for e in events if e.get("name") in ("moe_dispatch", "moe_combine")]
+    assert moe and all("group" in e["args"] and "seq" in e["args"] for e in moe)

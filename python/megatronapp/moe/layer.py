@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import trace as _trace
 from ..parallel_state import ParallelState
 from ..tensor_parallel import mappings
 from .dispatcher import combine, dispatch
@@ -108,7 +109,10 @@ class MoELayer(nn.Module):
             pad=bool(self.cfg.moe_pad_expert_input_to_capacity),
             compression=self.cfg.moe_dispatch_compression, group=self.group)
         self.last_tokens_per_expert = tpe.tolist()
-        y = self.experts(recv, self.last_tokens_per_expert)
+        # Its own compute scope: the slow-rank detector compares it across the
+        # stage's ranks, so a rank slowed by overloaded experts is named as such.
+        with _trace.scope("moe_experts", "compute", lane=0):
+            y = self.experts(recv, self.last_tokens_per_expert)
         # The experts' outputs are partial sums over the tensor group, so is
         # the gradient of the routing weights: summed over it in backward.
         probs = mappings.copy_to_tensor_model_parallel_region(probs.to(y.dtype), tp_group)

@@ -74,6 +74,16 @@ class Router(nn.Module):
             self.expert_bias = None
         self.last_load: torch.Tensor | None = None
         self.last_dropped = 0
+        from ..faults import expert_skew
+
+        skew = expert_skew()
+        self._skew = None
+        if skew is not None:
+            if not 0 <= skew["expert"] < num_experts:
+                raise ValueError(f"MAPP_INJECT_EXPERT_SKEW: expert {skew['expert']} outside "
+                                 f"[0, {num_experts})")
+            self._skew = torch.zeros(num_experts)
+            self._skew[skew["expert"]] = skew["boost"]
 
     def capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -82,6 +92,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E], fp32
+        if self._skew is not None:  # fault injection (MAPP_INJECT_EXPERT_SKEW)
+            logits = logits + self._skew
         T, E, k = logits.shape[0], self.num_experts, self.topk
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
