@@ -102,8 +102,10 @@ def run_deepspeed(args):
     torch.manual_seed(wargs.seed + dist.get_rank())
     for block in model.layers.values():
         block.mlp = MoEMLP()
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        common.decay_groups(model.named_parameters(), wargs.weight_decay))
+    groups = common.decay_groups(model.named_parameters(), wargs.weight_decay)
+    for i, g in enumerate(groups):
+        g["name"] = f"decay{i}"  # DeepSpeed keys the expert groups by name
+    groups = split_params_into_different_moe_groups_for_optimizer(groups)
     dp = dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": wargs.micro_batch_size,
               "gradient_accumulation_steps": wargs.global_batch_size

@@ -81,6 +81,29 @@ class Job:
     grad_bytes: float = 2.0  #: bytes per gradient element on the data-parallel wire
     overlap_dp: bool = False  #: reduce gradients during the last backward passes
     optimizer_bytes: float = 36.0  #: Adam with fp32 master weights, moved per step
+    # ---- mixture of experts and attention variants (defaults: a dense GPT) ----
+    num_experts: int | None = None  #: routed experts per MoE layer
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  #: per expert (default ffn_hidden_size)
+    moe_shared_experts: int = 0  #: always-active experts of moe_ffn_hidden_size
+    moe_dense_layers: int = 0  #: the first N layers keep a dense MLP (DeepSeek-V3: 3)
+    ep: int = 1  #: expert-parallel size, carved out of dp
+    gated_mlp: bool = False  #: SwiGLU: three matrices per MLP instead of two
+    attention_params: int | None = None  #: weights of one attention block (default 4 h^2)
+    qk_head_dim: int | None = None  #: core attention head dims (default hidden / heads)
+    v_head_dim: int | None = None
+    fp8: bool = False  #: weight matmuls at twice the bf16 rate (core attention stays bf16)
+    expert_imbalance: float = 1.0  #: the busiest GPU's routed expert rows over the mean
+    a2a_bytes: float = 4.0  #: bytes per element of dispatch + combine (bf16 + bf16)
+    #: copies of a token crossing the node boundary per MoE layer (None: top-k
+    #: experts spread uniformly over the ep ranks)
+    a2a_node_copies: float | None = None
+    #: how much of a MoE layer's compute time can hide its all-to-all (0: none;
+    #: 1: all of it, DeepSeek-V3's DualPipe claim)
+    a2a_overlap: float = 0.0
+    #: layers placed so that every stage costs the same, the output layer
+    #: included (Megatron's --decoder-last-pipeline-num-layers; fractional)
+    balance_stages: bool = False
 
     @property
     def gpus(self) -> int:
@@ -94,9 +117,54 @@ class Job:
     def microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.moe_dense_layers if self.num_experts else 0
+
+    @property
+    def _generic(self) -> bool:
+        """Whether the per-token layer terms replace the dense closed forms."""
+        return bool(self.num_experts or self.gated_mlp or self.attention_params
+                    or self.qk_head_dim or self.v_head_dim)
+
+    def _layer_terms(self) -> dict:
+        """Forward FLOPs per token of one layer's parts, and parameter counts."""
+        h, a, s = self.hidden_size, self.num_attention_heads, self.seq_length
+        mats = 3 if self.gated_mlp else 2
+        attn_p = self.attention_params or 4 * h * h
+        dqk = self.qk_head_dim or h // a
+        dv = self.v_head_dim or h // a
+        fm = self.moe_ffn_hidden_size or self.ffn
+        expert_p = mats * h * fm
+        return {"attn_w": 2 * attn_p, "core": 2 * s * a * (dqk + dv),
+                "dense_mlp": 2 * mats * h * self.ffn,
+                "moe_mlp": 2 * expert_p * (self.moe_topk + self.moe_shared_experts)
+                + 2 * h * (self.num_experts or 0),
+                "attn_params": attn_p, "dense_mlp_params": mats * h * self.ffn,
+                "expert_params": expert_p, "shared_params": expert_p * self.moe_shared_experts,
+                "router_params": h * (self.num_experts or 0)}
+
     def parameters(self) -> float:
         h, f, n, v = self.hidden_size, self.ffn, self.num_layers, self.vocab_size
-        return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
+        if not self._generic:
+            return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
+        return self.dense_parameters() + self.expert_parameters()
+
+    def expert_parameters(self) -> float:
+        """Routed experts' weights (sharded over ep, reduced over dp / ep)."""
+        return self.moe_layers * (self.num_experts or 0) * self._layer_terms()["expert_params"]
+
+    def dense_parameters(self) -> float:
+        t, h, n = self._layer_terms(), self.hidden_size, self.num_layers
+        dense = n - self.moe_layers
+        per = (n * t["attn_params"] + dense * t["dense_mlp_params"]
+               + self.moe_layers * (t["shared_params"] + t["router_params"]))
+        return per + self.vocab_size * h + self.seq_length * h
+
+    def _forward_flops_per_token(self) -> float:
+        t, n = self._layer_terms(), self.num_layers
+        mlp = (n - self.moe_layers) * t["dense_mlp"] + self.moe_layers * t["moe_mlp"]
+        return n * (t["attn_w"] + t["core"]) + mlp + 2 * self.vocab_size * self.hidden_size
 
     @property
     def recompute_granularity(self) -> str | None:
@@ -116,6 +184,10 @@ class Job:
         recomputed attention scores and values, 4 B s^2 h per layer."""
         b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
         gran = self.recompute_granularity
+        if self._generic:
+            extra = {"full": self._forward_flops_per_token(),
+                     "selective": n * self._layer_terms()["core"]}.get(gran, 0.0)
+            return self.useful_flops() + b * s * extra
         if gran == "full":
             return 96 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (16 * n * h))
         extra = 4 * b * s * s * h * n if gran == "selective" else 0.0
@@ -127,6 +199,8 @@ class Job:
         (Korthikanti et al. 2022's MFU; hardware FLOPs utilization uses
         :meth:`model_flops`)."""
         b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
+        if self._generic:  # forward + backward (2x forward) of every token
+            return 3 * b * s * self._forward_flops_per_token()
         return 72 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (12 * n * h))
 
 
@@ -147,6 +221,18 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     rate = hw.peak_flops * hw.gemm_efficiency
     weight_flops = 2 * b * s * (4 * h * h + 2 * h * f) / t
     attn_flops = 4 * b * s * s * h / t
+    a2a = 0.0
+    if job._generic:  # per-token terms, averaged over the layers (MoE or dense)
+        terms, n = job._layer_terms(), job.num_layers
+        moe_frac = job.moe_layers / n
+        routed = (terms["moe_mlp"] - 2 * terms["expert_params"] * job.moe_topk
+                  * (1.0 - job.expert_imbalance))  # the busiest GPU sets the pace
+        mlp = (1 - moe_frac) * terms["dense_mlp"] + moe_frac * routed
+        weight_flops = b * s * (terms["attn_w"] + mlp) / t
+        attn_flops = b * s * terms["core"] / t
+        if job.num_experts:
+            a2a = moe_frac * _moe_all_to_all(job, hw, b * s / t)
+    matmul_rate = rate * (2.0 if job.fp8 else 1.0)
     # Element-wise bytes per layer (Korthikanti et al. 2022, 16-bit): the
     # LayerNorm/dropout/residual part is sharded over t with sequence
     # parallelism; 5 a s^2 b / t is core attention (softmax, dropout).
@@ -156,9 +242,12 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     mem = hw.memory_passes * (dense + core) / hw.hbm_bandwidth
     tp_ar = _ring_all_reduce(s * b * h * job.act_bytes, t, hw.intra_bus_bandwidth,
                              hw.intra_latency)
-    fwd_layer = (weight_flops + attn_flops) / rate + mem + 2 * tp_ar
-    bi_layer = (weight_flops + 2 * attn_flops) / rate + 2 * mem + 2 * tp_ar
-    w_layer = weight_flops / rate
+    fwd_layer = weight_flops / matmul_rate + attn_flops / rate + mem + 2 * tp_ar
+    bi_layer = weight_flops / matmul_rate + 2 * attn_flops / rate + 2 * mem + 2 * tp_ar
+    w_layer = weight_flops / matmul_rate
+    # The all-to-all of the MoE layers: what the layer's compute cannot hide.
+    fwd_layer += max(0.0, a2a - job.a2a_overlap * fwd_layer)
+    bi_layer += max(0.0, a2a - job.a2a_overlap * (bi_layer + w_layer))
     gran = job.recompute_granularity
     if gran == "full":
         bi_layer += fwd_layer
@@ -174,6 +263,21 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     return {"forward": layers_per_chunk * fwd_layer, "backward_input": layers_per_chunk * bi_layer,
             "backward_weight": layers_per_chunk * w_layer, "p2p": lat + msg / bw,
             "head": {"forward": head_f, "backward_input": head_f, "backward_weight": head_f}}
+
+
+def _moe_all_to_all(job: Job, hw: Hardware, tokens: float) -> float:
+    """Seconds of one MoE layer's dispatch + combine for `tokens` tokens of
+    this GPU: the copies that leave the node over the network, the rest over
+    NVLink (both directions in parallel; the slower bounds)."""
+    per_node = max(1, hw.gpus_per_node // job.tp)
+    local_ep = min(job.ep, per_node)
+    remote = (job.a2a_node_copies if job.a2a_node_copies is not None
+              else job.moe_topk * (1.0 - local_ep / job.ep))
+    local = job.moe_topk * (local_ep - 1) / job.ep
+    elem = tokens * job.hidden_size * job.a2a_bytes
+    inter = remote * elem / hw.inter_bandwidth + 2 * hw.inter_latency if remote else 0.0
+    intra = local * elem / hw.intra_bus_bandwidth + 2 * hw.intra_latency if local else 0.0
+    return max(inter, intra)
 
 
 def _schedule(job: Job, fwd, bi, bw, p2p) -> Schedule:
@@ -196,19 +300,34 @@ def predict(job: Job, hw: Hardware) -> dict:
     fwd = [st["forward"]] * p
     bi = [st["backward_input"]] * p
     bw = [st["backward_weight"]] * p
-    fwd[-1] += st["head"]["forward"] / v
-    bi[-1] += st["head"]["backward_input"] / v
-    bw[-1] += st["head"]["backward_weight"] / v
+    # The output layer: on the last stage, or spread over all of them when the
+    # layers are placed to balance it.
+    share = [1.0 / p] * p if job.balance_stages else [0.0] * (p - 1) + [1.0]
+    for i in range(p):
+        fwd[i] += share[i] * st["head"]["forward"] / v
+        bi[i] += share[i] * st["head"]["backward_input"] / v
+        bw[i] += share[i] * st["head"]["backward_weight"] / v
     sched = _schedule(job, fwd, bi, bw, st["p2p"])
     sim = simulate(sched, fwd, bi, bw, st["p2p"])
     params_per_gpu = job.parameters() / (job.tp * job.pp)
     dp_time = _ring_all_reduce(params_per_gpu * job.grad_bytes, job.dp, hw.inter_bandwidth,
                                hw.inter_latency)
+    opt_params = params_per_gpu / job.dp
+    if job.num_experts:  # experts: 1/ep of them per GPU, reduced over dp / ep ranks
+        dense_pg = job.dense_parameters() / (job.tp * job.pp)
+        expert_pg = job.expert_parameters() / (job.tp * job.pp * job.ep)
+        edp = max(1, job.dp // job.ep)
+        params_per_gpu = dense_pg + expert_pg
+        dp_time = (_ring_all_reduce(dense_pg * job.grad_bytes, job.dp, hw.inter_bandwidth,
+                                    hw.inter_latency)
+                   + _ring_all_reduce(expert_pg * job.grad_bytes, edp, hw.inter_bandwidth,
+                                      hw.inter_latency))
+        opt_params = dense_pg / job.dp + expert_pg / edp
     exposed_dp = dp_time
     if job.overlap_dp:  # buckets start during the last backward passes of each chunk
         window = v * (st["backward_input"] + st["backward_weight"])
         exposed_dp = max(0.0, dp_time - window)
-    opt = params_per_gpu / job.dp * job.optimizer_bytes / hw.hbm_bandwidth
+    opt = opt_params * job.optimizer_bytes / hw.hbm_bandwidth
     total = sim.makespan + exposed_dp + opt
     flops = job.model_flops()
     per_gpu = flops / total / job.gpus
@@ -253,6 +372,14 @@ H100_EOS = Hardware(
     intra_bus_bandwidth=450e9, intra_latency=6e-6,
     inter_bandwidth=50e9, inter_latency=8e-6)
 
+#: H800-SXM (DeepSeek-V3's cluster): H100 silicon with NVLink cut to 400 GB/s;
+#: 8 x 400 Gb/s InfiniBand per node (DeepSeek-V3 technical report, section 3.1).
+H800_DEEPSEEK = Hardware(
+    name="H800-SXM5-80GB, NVLink 400 GB/s, 8x 400 Gb/s IB per node",
+    peak_flops=989e12, hbm_bandwidth=3.35e12, gpus_per_node=8,
+    intra_bus_bandwidth=160e9, intra_latency=6e-6,
+    inter_bandwidth=50e9, inter_latency=8e-6)
+
 # Published runs (configuration, measured throughput).
 GPT3_175B_1024 = Job(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                      vocab_size=51200, tp=8, pp=16, dp=8, global_batch_size=1536)
@@ -264,6 +391,33 @@ GPT_1T_3072 = Job(num_layers=128, hidden_size=25600, num_attention_heads=160, se
 MT_NLG_530B_2240 = Job(num_layers=105, hidden_size=20480, num_attention_heads=128,
                        seq_length=2048, vocab_size=51200, tp=8, pp=35, dp=8,
                        global_batch_size=2240, recompute="selective", sequence_parallel=True)
+
+
+#: DeepSeek-V3 pre-training (technical report, arXiv 2412.19437): 61 layers,
+#: hidden 7168, MLA (128 heads, q/k head dim 192, v 128, q rank 1536, kv rank
+#: 512), first 3 layers dense (SwiGLU 18432), then 1 shared + 256 routed
+#: SwiGLU experts of 2048, top-8, vocabulary 129,280, sequence 4096, global
+#: batch 15,360 (after the ramp), 2,048 H800 as PP16 x EP64 x ZeRO-1 DP128,
+#: no TP, FP8 GEMMs, FP8 dispatch / BF16 combine, each token sent to at most
+#: 4 nodes (once per node), DualPipe hiding the all-to-all. Published cost:
+#: 180K H800 GPU-hours per trillion tokens, 2.664M for 14.8T tokens
+#: (2.788M with context extension and post-training).
+_MLA_PARAMS = (7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
+               + 128 * 128 * 7168)
+DEEPSEEK_V3_2048 = Job(num_layers=61, hidden_size=7168, num_attention_heads=128, seq_length=4096,
+                       vocab_size=129280, tp=1, pp=16, dp=128, global_batch_size=15360,
+                       micro_batch_size=1, ffn_hidden_size=18432, schedule="zero-bubble",
+                       recompute=None, overlap_dp=True, num_experts=256, moe_topk=8,
+                       moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_dense_layers=3,
+                       ep=64, gated_mlp=True, attention_params=_MLA_PARAMS, qk_head_dim=192,
+                       v_head_dim=128, fp8=True, a2a_bytes=1.0 + 2.0,
+                       a2a_node_copies=4 * 7 / 8, a2a_overlap=1.0, balance_stages=True)
+
+
+def gpu_hours_per_trillion_tokens(job: Job, hw: Hardware) -> float:
+    r = predict(job, hw)
+    tokens_per_s = job.global_batch_size * job.seq_length / r["iteration_s"]
+    return 1e12 / tokens_per_s * job.gpus / 3600
 
 
 def gpus_for(job: Job, gpus: int) -> Job:

@@ -135,3 +135,46 @@ def test_comm_work_orders_after_the_producer_stream_and_before_the_consumer(devi
         got = out.sum().item()  # on the side stream, after the work
     assert got == 3.0 * (1 << 20)
     assert work.is_completed()
+
+
+# ---- MoE dispatcher kernels (kernels/moe.cu) against the CPU reference ----------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capacity,pad", [(-1, False), (5, False), (6, True)])
+def test_moe_dispatch_combine_kernels_match_cpu(dtype, capacity, pad):
+    torch.manual_seed(0)
+    T, k, E, h = 37, 2, 4, 96
+    x = torch.randn(T, h).to(dtype)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    idx[3, 1] = -1  # not routed
+    w = torch.rand(T, k)
+    ops = torch.ops.mapp
+    want_rows, want_tpe, plan = ops.moe_dispatch(x, idx, E, capacity, pad, "none", "")
+    rows, tpe, plan_gpu = ops.moe_dispatch(x.cuda(), idx.cuda(), E, capacity, pad, "none", "")
+    assert torch.equal(tpe, want_tpe) and torch.equal(plan_gpu, plan)
+    torch.testing.assert_close(rows.cpu(), want_rows, rtol=0, atol=0)  # a permutation
+    y = (want_rows.float() * 1.5).to(dtype)
+    want_out, want_back = ops.moe_combine(y, plan, w, "")
+    out, back = ops.moe_combine(y.cuda(), plan, w.cuda(), "")
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), rtol=tol, atol=tol)
+    g = torch.randn(T, h).to(dtype)
+    torch.testing.assert_close(ops.moe_weight_grads(g.cuda(), back, plan).cpu().float(),
+                               ops.moe_weight_grads(g, want_back, plan).float(),
+                               rtol=tol * 10, atol=tol * 10)
+    torch.testing.assert_close(ops.moe_dispatch_with_plan(g.cuda(), plan, w.cuda(), "").cpu()
+                               .float(), ops.moe_dispatch_with_plan(g, plan, w, "").float(),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_moe_grouped_gemm_matches_the_cpu_loop(dtype, transposed):
+    torch.manual_seed(0)
+    counts = [5, 0, 17, 3]  # an expert without rows
+    x = torch.randn(sum(counts), 64).to(dtype)
+    ws = [torch.randn(*((48, 64) if transposed else (64, 48))).to(dtype) for _ in counts]
+    want = torch.ops.mapp.moe_grouped_gemm(x.float(), counts, [w.float() for w in ws],
+                                           transposed)
+    got = torch.ops.mapp.moe_grouped_gemm(x.cuda(), counts, [w.cuda() for w in ws], transposed)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.cpu().float(), want, rtol=tol, atol=tol * 8)

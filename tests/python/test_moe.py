@@ -287,7 +287,11 @@ def _train(rank, world, flags, out_dir):
     ["--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--grad-compression", "int8"],
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble"],
-], ids=["pp2-zero1", "tp2-sp-int8", "pp2-zb"])
+    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+     "--num-layers", "4", "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"],
+    ["--bf16", "--use-distributed-optimizer", "--moe-layer-freq", "[0,1]"],
+], ids=["pp2-zero1", "tp2-sp-int8", "pp2-zb", "interleaved-full-recompute", "bf16-zero1-freq"])
 def test_expert_parallel_gpt_matches_ep1_step_for_step(tmp_path, layout):
     """The same MoE GPT (experts seeded by global id) at ep 2 and at ep 1:
     expert parallelism changes where experts run, not the numbers."""
@@ -296,7 +300,9 @@ def test_expert_parallel_gpt_matches_ep1_step_for_step(tmp_path, layout):
     ep2 = run_ranks(_train, 4, flags + ["--expert-model-parallel-size", "2"],
                     str(tmp_path / "b"))[0]
     assert len(ep1) == len(ep2) == 4
-    tol = 2e-3 if "int8" in layout else 1e-5  # int8 codec: bucket boundaries differ
+    # int8 codec: bucket boundaries differ; bf16: expert GEMMs see rows from a
+    # different number of ranks, so blocking and rounding differ.
+    tol = 2e-3 if "int8" in layout else 1e-2 if "--bf16" in layout else 1e-5
     for a, b in zip(ep1, ep2, strict=True):
         assert abs(a - b) <= tol * max(1.0, abs(a)), (ep1, ep2)
 

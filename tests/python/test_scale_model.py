@@ -117,3 +117,38 @@ def test_selective_adds_core_attention_to_backward_and_precision_scales_memory()
     assert f32 == pytest.approx(2 * f16)
     with pytest.raises(ValueError, match="recompute must be"):
         dc.replace(SMALL, recompute="sometimes").model_flops()
+
+
+def test_moe_terms_reduce_to_the_dense_closed_forms_and_count_deepseek_v3():
+    import dataclasses as dc
+
+    from megatronapp import scale_model as sm
+
+    job = sm.GPT3_175B_1024
+    generic = dc.replace(job, attention_params=4 * job.hidden_size ** 2)  # same model, new path
+    assert generic._generic and not job._generic
+    assert abs(generic.useful_flops() / job.useful_flops() - 1) < 1e-12
+    a, b = sm.predict(job, sm.A100_SELENE), sm.predict(generic, sm.A100_SELENE)
+    # (the generic parameter count leaves out biases and LayerNorms: 1e-5 of the DP time)
+    assert abs(a["iteration_s"] / b["iteration_s"] - 1) < 1e-5
+    ds = sm.DEEPSEEK_V3_2048
+    assert abs(ds.parameters() / 671e9 - 1) < 0.01  # the report's 671B (main model)
+    # 37B activated per token: 2 x 37B FLOPs per token for the weights, +/- attention
+    assert 70e9 < ds._forward_flops_per_token() < 100e9
+
+
+def test_reproduces_deepseek_v3_training_cost_within_fifteen_percent():
+    """180K H800 GPU-hours per trillion tokens (DeepSeek-V3 report), predicted
+    with the matmul efficiency calibrated on GPT-3 175B (A100), never on it."""
+    import dataclasses as dc
+
+    from megatronapp import scale_model as sm
+
+    hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
+    h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
+    got = sm.gpu_hours_per_trillion_tokens(sm.DEEPSEEK_V3_2048, h800)
+    assert abs(got / 180e3 - 1) < 0.15, got
+    # The all-to-all matters: not hidden, it would cost more.
+    worse = sm.gpu_hours_per_trillion_tokens(dc.replace(sm.DEEPSEEK_V3_2048, a2a_overlap=0.0),
+                                             h800)
+    assert worse > got * 1.1

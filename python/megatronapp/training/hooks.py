@@ -255,16 +255,17 @@ class ProgressHook(Hook):
             print(f"[megatronapp] SIGTERM: stopped after iteration {summary['preempted_at']}"
                   + (f", checkpoint in {save}" if save else ""), flush=True)
         out = self.cfg.output_dir
+        v = summary["valid_loss"]  # None with --eval-iters 0
+        valid = f" (validation {v:.3f})" if v is not None else ""
         if summary["history"]:
             print(f"[megatronapp] done: {len(summary['history'])} iterations in "
                   f"{summary['wall_seconds']:.1f}s, loss {summary['first_loss']:.3f} -> "
-                  f"{summary['final_loss']:.3f} (validation {summary['valid_loss']:.3f}), "
+                  f"{summary['final_loss']:.3f}{valid}, "
                   f"{summary['tokens_per_s']:,.0f} tokens/s; loss curve in {out}/loss.csv and "
                   f"loss.png", flush=True)
         else:
             print(f"[megatronapp] nothing to train: already at iteration "
-                  f"{run.config.optim.train_iters} (validation {summary['valid_loss']:.3f})",
-                  flush=True)
+                  f"{run.config.optim.train_iters}{valid}", flush=True)
         comm = summary["comm"]
         if run.state.dp_size > 1 and comm["raw_bytes"]:
             print(f"[megatronapp] data-parallel traffic per step: "
