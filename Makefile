@@ -24,7 +24,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu bench-moe fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -158,6 +158,13 @@ bench-memory-plan: build
 	$(PY) benchmarks/memory_plan.py
 
 # Scale model: reproduce Megatron-LM's published runs, predict ours at 1k-10k GPUs.
+# MoE: the dispatcher against a plain all_to_all_single one (loopback; add
+# --two-node as root for the 1 Gbit/s link), then the MoE GPT against DeepSpeed-MoE.
+bench-moe: build peers
+	$(PY) benchmarks/moe_dispatch.py
+	$(PEERS_VENV)/bin/python benchmarks/peers/moe_peers.py --iters 100 --repeats 2 \
+	  --out benchmarks/results/moe
+
 bench-scale: build
 	$(PY) benchmarks/scale_predictions.py
 

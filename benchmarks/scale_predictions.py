@@ -81,6 +81,31 @@ def main():
                    f"{100 * r['hardware_flops_utilization']:.1f}% | {r['iteration_s']:.1f} | "
                    f"{100 * (r['model_flops_utilization'] / pub - 1):+.1f}% |")
     out.append("")
+    out.append("### Mixture of experts: DeepSeek-V3 on 2,048 H800 (technical report, arXiv 2412.19437)\n")
+    h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
+    ds = sm.DEEPSEEK_V3_2048
+    out.append(f"Inputs: `scale_model.DEEPSEEK_V3_2048` and `H800_DEEPSEEK` (the report's model, "
+               f"{ds.parameters() / 1e9:.0f}B parameters, {ds._forward_flops_per_token() / 1e9:.1f} "
+               f"GFLOP per token forward; PP16 x EP64 x DP128, batch 15,360 x 4,096, FP8 GEMMs at "
+               f"2x the bf16 rate, FP8 dispatch + BF16 combine, 3.5 node crossings per token and "
+               f"layer, all-to-all hidden behind the layer's compute (DualPipe), stages balanced, "
+               f"ZB-H1 standing in for DualPipe) and the matmul efficiency calibrated on GPT-3 175B "
+               f"({hw.gemm_efficiency:.3f}); the model never saw DeepSeek's number.\n")
+    out.append("| variant | predicted H800 GPU-hours per 10^12 tokens | vs published 180K | "
+               "MFU (bf16 peak) | s/iter |")
+    out.append("|---|---|---|---|---|")
+    for label, kw in (("as published (reproduction)", {}),
+                      ("all-to-all not overlapped", {"a2a_overlap": 0.0}),
+                      ("bf16 GEMMs instead of FP8", {"fp8": False}),
+                      ("1F1B instead of a zero-bubble schedule", {"schedule": "1f1b"}),
+                      ("busiest GPU 1.2x the mean expert load", {"expert_imbalance": 1.2}),
+                      ("output layer on the last stage (unbalanced)", {"balance_stages": False})):
+        job = dc.replace(ds, **kw)
+        r = sm.predict(job, h800)
+        gh = sm.gpu_hours_per_trillion_tokens(job, h800)
+        out.append(f"| {label} | {gh / 1e3:.0f}K | {100 * (gh / 180e3 - 1):+.1f}% | "
+                   f"{100 * r['model_flops_utilization']:.1f}% | {r['iteration_s']:.1f} |")
+    out.append("")
     out.append("### Predicted strong scaling by data parallelism (same global batch)\n")
     out.append("Megatron = its best schedule here (interleaved 1F1B with v=2 where the microbatch count "
                "allows, else 1F1B), bf16 gradients, "

@@ -48,7 +48,7 @@ def run_ours(args):
         str(TOPK), "--moe-ffn-hidden-size", str(FFN), "--moe-aux-loss-coeff", str(AUX),
         "--expert-model-parallel-size", "4", "--use-distributed-optimizer",
         "--untie-embeddings-and-output-weights", "--eval-iters", "0", "--no-progress",
-        "--log-interval", "100000", "--no-watchdog", "--output-dir", args.out + "/ours"])
+        "--log-interval", "100000", "--no-watchdog", "--output-dir", "runs/moe_peers_ours"])
     res = train(a)
     return [h["loss"] for h in res["history"]], [h["seconds"] for h in res["history"]]
 

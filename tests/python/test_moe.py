@@ -110,7 +110,7 @@ def _check_against_reference(results, cfg_kw, tp=1):
         out, aux, dropped = reference_moe(x, router_w, cat, cfg)
         torch.testing.assert_close(r["out"].double().reshape(S * B, H), out.detach(),
                                    atol=1e-5, rtol=1e-5)
-        assert abs(r["aux"] - float(aux)) < 1e-6
+        assert abs(r["aux"] - float(aux.detach())) < 1e-6
         assert r["dropped"] == dropped
         loss = (out * r["c"].double().reshape(S * B, H)).sum() + aux
         gx, = torch.autograd.grad(loss, x, retain_graph=True)
