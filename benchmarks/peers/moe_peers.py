@@ -195,7 +195,7 @@ def main():
     summary = {}
     for stack, rs in runs.items():
         step = statistics.median(statistics.median(r["seconds"][5:]) for r in rs)
-        curve = smooth([statistics.mean(x) for x in zip(*(r["losses"] for r in rs))])
+        curve = smooth([statistics.mean(x) for x in zip(*(r["losses"] for r in rs), strict=True)])
         summary[stack] = {"step_s": step, "final": curve[-1], "curve": curve,
                           "ranges": [min(statistics.median(r["seconds"][5:]) for r in rs),
                                      max(statistics.median(r["seconds"][5:]) for r in rs)]}
