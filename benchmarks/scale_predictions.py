@@ -85,7 +85,7 @@ def main():
     h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
     ds = sm.DEEPSEEK_V3_2048
     out.append(f"Inputs: `scale_model.DEEPSEEK_V3_2048` and `H800_DEEPSEEK` (the report's model, "
-               f"{ds.parameters() / 1e9:.0f}B parameters, {ds._forward_flops_per_token() / 1e9:.1f} "
+               f"{ds.parameters() / 1e9:.0f}B parameters, {ds.forward_flops_per_token() / 1e9:.1f} "
                f"GFLOP per token forward; PP16 x EP64 x DP128, batch 15,360 x 4,096, FP8 GEMMs at "
                f"2x the bf16 rate, FP8 dispatch + BF16 combine, 3.5 node crossings per token and "
                f"layer, all-to-all hidden behind the layer's compute (DualPipe), stages balanced, "

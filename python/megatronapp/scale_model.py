@@ -122,12 +122,12 @@ class Job:
         return self.num_layers - self.moe_dense_layers if self.num_experts else 0
 
     @property
-    def _generic(self) -> bool:
+    def per_token_terms(self) -> bool:
         """Whether the per-token layer terms replace the dense closed forms."""
         return bool(self.num_experts or self.gated_mlp or self.attention_params
                     or self.qk_head_dim or self.v_head_dim)
 
-    def _layer_terms(self) -> dict:
+    def layer_terms(self) -> dict:
         """Forward FLOPs per token of one layer's parts, and parameter counts."""
         h, a, s = self.hidden_size, self.num_attention_heads, self.seq_length
         mats = 3 if self.gated_mlp else 2
@@ -146,23 +146,23 @@ class Job:
 
     def parameters(self) -> float:
         h, f, n, v = self.hidden_size, self.ffn, self.num_layers, self.vocab_size
-        if not self._generic:
+        if not self.per_token_terms:
             return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
         return self.dense_parameters() + self.expert_parameters()
 
     def expert_parameters(self) -> float:
         """Routed experts' weights (sharded over ep, reduced over dp / ep)."""
-        return self.moe_layers * (self.num_experts or 0) * self._layer_terms()["expert_params"]
+        return self.moe_layers * (self.num_experts or 0) * self.layer_terms()["expert_params"]
 
     def dense_parameters(self) -> float:
-        t, h, n = self._layer_terms(), self.hidden_size, self.num_layers
+        t, h, n = self.layer_terms(), self.hidden_size, self.num_layers
         dense = n - self.moe_layers
         per = (n * t["attn_params"] + dense * t["dense_mlp_params"]
                + self.moe_layers * (t["shared_params"] + t["router_params"]))
         return per + self.vocab_size * h + self.seq_length * h
 
-    def _forward_flops_per_token(self) -> float:
-        t, n = self._layer_terms(), self.num_layers
+    def forward_flops_per_token(self) -> float:
+        t, n = self.layer_terms(), self.num_layers
         mlp = (n - self.moe_layers) * t["dense_mlp"] + self.moe_layers * t["moe_mlp"]
         return n * (t["attn_w"] + t["core"]) + mlp + 2 * self.vocab_size * self.hidden_size
 
@@ -184,9 +184,9 @@ class Job:
         recomputed attention scores and values, 4 B s^2 h per layer."""
         b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
         gran = self.recompute_granularity
-        if self._generic:
-            extra = {"full": self._forward_flops_per_token(),
-                     "selective": n * self._layer_terms()["core"]}.get(gran, 0.0)
+        if self.per_token_terms:
+            extra = {"full": self.forward_flops_per_token(),
+                     "selective": n * self.layer_terms()["core"]}.get(gran, 0.0)
             return self.useful_flops() + b * s * extra
         if gran == "full":
             return 96 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (16 * n * h))
@@ -199,8 +199,8 @@ class Job:
         (Korthikanti et al. 2022's MFU; hardware FLOPs utilization uses
         :meth:`model_flops`)."""
         b, s, n, h = self.global_batch_size, self.seq_length, self.num_layers, self.hidden_size
-        if self._generic:  # forward + backward (2x forward) of every token
-            return 3 * b * s * self._forward_flops_per_token()
+        if self.per_token_terms:  # forward + backward (2x forward) of every token
+            return 3 * b * s * self.forward_flops_per_token()
         return 72 * b * s * n * h * h * (1 + s / (6 * h) + self.vocab_size / (12 * n * h))
 
 
@@ -222,8 +222,8 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     weight_flops = 2 * b * s * (4 * h * h + 2 * h * f) / t
     attn_flops = 4 * b * s * s * h / t
     a2a = 0.0
-    if job._generic:  # per-token terms, averaged over the layers (MoE or dense)
-        terms, n = job._layer_terms(), job.num_layers
+    if job.per_token_terms:  # per-token terms, averaged over the layers (MoE or dense)
+        terms, n = job.layer_terms(), job.num_layers
         moe_frac = job.moe_layers / n
         routed = (terms["moe_mlp"] - 2 * terms["expert_params"] * job.moe_topk
                   * (1.0 - job.expert_imbalance))  # the busiest GPU sets the pace

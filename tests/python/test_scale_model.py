@@ -126,7 +126,7 @@ def test_moe_terms_reduce_to_the_dense_closed_forms_and_count_deepseek_v3():
 
     job = sm.GPT3_175B_1024
     generic = dc.replace(job, attention_params=4 * job.hidden_size ** 2)  # same model, new path
-    assert generic._generic and not job._generic
+    assert generic.per_token_terms and not job.per_token_terms
     assert abs(generic.useful_flops() / job.useful_flops() - 1) < 1e-12
     a, b = sm.predict(job, sm.A100_SELENE), sm.predict(generic, sm.A100_SELENE)
     # (the generic parameter count leaves out biases and LayerNorms: 1e-5 of the DP time)
@@ -134,7 +134,7 @@ def test_moe_terms_reduce_to_the_dense_closed_forms_and_count_deepseek_v3():
     ds = sm.DEEPSEEK_V3_2048
     assert abs(ds.parameters() / 671e9 - 1) < 0.01  # the report's 671B (main model)
     # 37B activated per token: 2 x 37B FLOPs per token for the weights, +/- attention
-    assert 70e9 < ds._forward_flops_per_token() < 100e9
+    assert 70e9 < ds.forward_flops_per_token() < 100e9
 
 
 def test_reproduces_deepseek_v3_training_cost_within_fifteen_percent():
