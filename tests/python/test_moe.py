@@ -291,7 +291,11 @@ def _train(rank, world, flags, out_dir):
      "--num-layers", "4", "--recompute-granularity", "full", "--recompute-method", "uniform",
      "--recompute-num-layers", "1"],
     ["--bf16", "--use-distributed-optimizer", "--moe-layer-freq", "[0,1]"],
-], ids=["pp2-zero1", "tp2-sp-int8", "pp2-zb", "interleaved-full-recompute", "bf16-zero1-freq"])
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--memory-pool"],
+    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+     "--num-layers", "4", "--pipeline-schedule", "dynamic"],
+], ids=["pp2-zero1", "tp2-sp-int8", "pp2-zb", "interleaved-full-recompute", "bf16-zero1-freq",
+        "gpipe-pool", "dynamic"])
 def test_expert_parallel_gpt_matches_ep1_step_for_step(tmp_path, layout):
     """The same MoE GPT (experts seeded by global id) at ep 2 and at ep 1:
     expert parallelism changes where experts run, not the numbers."""
