@@ -10,7 +10,8 @@ all-reduce equalizes everyone), so the evidence is:
    not look slow; when the op records its device busy time (CPU: thread CPU
    time) that is used instead, immune to waiting for a core. Per rank and op
    name: median ratio to the other ranks' median; score = ratio - 1 of the
-   worst op name.
+   worst op name among those where the rank is the slowest of its peers in
+   most instances (noise makes a healthy rank slowest only by chance).
 2. **Lateness**: for every collective instance (group, sequence number) on
    aligned clocks, who entered last and by how much; the culprit arrives last,
    victims wait longest.
@@ -36,6 +37,9 @@ __all__ = ["detect", "detect_dir", "format_report"]
 WAIT_CATEGORIES = ("collective", "p2p")
 #: Score (relative excess over peers) from which a rank is reported.
 DEFAULT_THRESHOLD = 0.2
+#: A rank's op counts as slow only when the rank is the slowest of its peers in
+#: at least this share of the op's instances (and 1/peers + 0.25: chance plus a margin).
+SLOWEST_SHARE = 0.5
 
 
 def _exclusive_compute(events: list) -> list:
@@ -83,22 +87,30 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
             for name, it, mb, chunk, us in ops[r]:
                 table[(name, it, mb, chunk)][r] = us
         ratios = defaultdict(lambda: defaultdict(list))  # rank -> name -> ratios
+        slowest = defaultdict(lambda: defaultdict(int))  # rank -> name -> times slowest
         for (name, *_), per_rank in table.items():
             if len(per_rank) < 2:
                 continue
+            worst = max(per_rank, key=per_rank.get)
             for r, us in per_rank.items():
                 others = [v for q, v in per_rank.items() if q != r]
                 ref = statistics.median(others)
                 if ref > 0:
                     ratios[r][name].append(us / ref)
+                    slowest[r][name] += r == worst
         for r in group:
             for name, rs in ratios[r].items():
                 if len(rs) < 2:
                     continue
                 score = statistics.median(rs) - 1.0
+                share = slowest[r][name] / len(rs)
                 evidence[r].setdefault("compute", {})[name] = {
-                    "median_ratio_to_peers": round(score + 1.0, 3), "ops": len(rs)}
-                if score > compute_score[r]:
+                    "median_ratio_to_peers": round(score + 1.0, 3), "ops": len(rs),
+                    "slowest_share": round(share, 3)}
+                # A slow rank is the slowest of its peers most of the time; noise
+                # makes a healthy one slowest about 1 / peers of the time.
+                if share >= max(SLOWEST_SHARE, 1.0 / len(group) + 0.25) \
+                        and score > compute_score[r]:
                     compute_score[r], compute_op[r] = score, name
     # 2. lateness into collectives
     last_count, late_sum, inst_count = (defaultdict(int), defaultdict(float), defaultdict(int))
