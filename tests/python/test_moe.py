@@ -279,7 +279,8 @@ def _train(rank, world, flags, out_dir):
     from megatronapp.pretrain import build_parser, train
 
     args = build_parser().parse_args(GPT + flags + ["--output-dir", out_dir])
-    return train(args)["losses"]
+    res = train(args)
+    return res["losses"], [h["grad_norm"] for h in res["history"]]
 
 
 @pytest.mark.parametrize("layout", [
@@ -300,15 +301,18 @@ def test_expert_parallel_gpt_matches_ep1_step_for_step(tmp_path, layout):
     """The same MoE GPT (experts seeded by global id) at ep 2 and at ep 1:
     expert parallelism changes where experts run, not the numbers."""
     flags = MOE + layout + ["--train-iters", "4"]
-    ep1 = run_ranks(_train, 4, flags, str(tmp_path / "a"))[0]
-    ep2 = run_ranks(_train, 4, flags + ["--expert-model-parallel-size", "2"],
-                    str(tmp_path / "b"))[0]
+    ep1, n1 = run_ranks(_train, 4, flags, str(tmp_path / "a"))[0]
+    ep2, n2 = run_ranks(_train, 4, flags + ["--expert-model-parallel-size", "2"],
+                        str(tmp_path / "b"))[0]
     assert len(ep1) == len(ep2) == 4
     # int8 codec: bucket boundaries differ; bf16: expert GEMMs see rows from a
     # different number of ranks, so blocking and rounding differ.
     tol = 2e-3 if "int8" in layout else 1e-2 if "--bf16" in layout else 1e-5
     for a, b in zip(ep1, ep2, strict=True):
         assert abs(a - b) <= tol * max(1.0, abs(a)), (ep1, ep2)
+    # The gradient norm counts every expert once and the dense weights once.
+    for a, b in zip(n1, n2, strict=True):
+        assert abs(a - b) <= 10 * tol * max(1.0, abs(a)), (n1, n2)
 
 
 def test_moe_checkpoint_resumes_and_reshards_across_ep(tmp_path):
@@ -316,13 +320,13 @@ def test_moe_checkpoint_resumes_and_reshards_across_ep(tmp_path):
     base = MOE + ["--use-distributed-optimizer", "--save", ck]
     full = run_ranks(_train, 4, base + ["--train-iters", "4", "--save-interval", "2",
                                         "--expert-model-parallel-size", "2"],
-                     str(tmp_path / "o1"))[0]
+                     str(tmp_path / "o1"))[0][0]
     for ep in (2, 1, 4):
         resumed = run_ranks(_train, 4, MOE + ["--use-distributed-optimizer", "--load",
                                               str(tmp_path / "ck" / "iter_0000002"),
                                               "--train-iters", "4",
                                               "--expert-model-parallel-size", str(ep)],
-                            str(tmp_path / f"r{ep}"))[0]
+                            str(tmp_path / f"r{ep}"))[0][0]
         if ep == 2:
             assert resumed == full[2:], (resumed, full)  # bit-identical
         else:
@@ -333,8 +337,9 @@ def test_moe_gpt_learns_better_than_dense_with_the_same_active_parameters(tmp_pa
     steps = ["--train-iters", "30", "--lr-warmup-iters", "3"]
     # top-2 of 8 experts of hidden 64 = the active MLP of a dense model of hidden 128.
     moe = run_ranks(_train, 4, MOE + steps + ["--expert-model-parallel-size", "4"],
-                    str(tmp_path / "m"))[0]
-    dense = run_ranks(_train, 4, steps + ["--ffn-hidden-size", "128"], str(tmp_path / "d"))[0]
+                    str(tmp_path / "m"))[0][0]
+    dense = run_ranks(_train, 4, steps + ["--ffn-hidden-size", "128"],
+                      str(tmp_path / "d"))[0][0]
     tail = slice(-5, None)
     assert sum(moe[tail]) < sum(dense[tail]), (moe[tail], dense[tail])
 
