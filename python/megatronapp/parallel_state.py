@@ -64,6 +64,19 @@ class ParallelState:
     #: the ranks holding the same experts: expert gradients are reduced over
     #: it (the data group when ep == 1)
     expert_data_group: dist.ProcessGroup | None = None
+    #: the ranks splitting one sequence with this one (None when cp == 1)
+    context_group: dist.ProcessGroup | None = None
+    #: data x context ranks: the replicas of the dense weights when cp > 1
+    #: (what their gradients are reduced over); None when cp == 1
+    data_context_group: dist.ProcessGroup | None = None
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.grid.coord(self.rank).cp
 
     @property
     def ep_size(self) -> int:
@@ -240,6 +253,7 @@ def initialize_model_parallel(
     *,
     backend: str | None = None,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Builds the (tp, pp, dp) grid over the default process group and creates
     its groups. Call after ``torch.distributed.init_process_group``; every rank
@@ -259,7 +273,8 @@ def initialize_model_parallel(
         )
     _STATE = create_parallel_state(tensor_model_parallel_size, pipeline_model_parallel_size,
                                    virtual_pipeline_model_parallel_size, backend=backend,
-                                   expert_model_parallel_size=expert_model_parallel_size)
+                                   expert_model_parallel_size=expert_model_parallel_size,
+                                   context_parallel_size=context_parallel_size)
     return _STATE
 
 
@@ -270,6 +285,7 @@ def create_parallel_state(
     *,
     backend: str | None = None,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
     """Like :func:`initialize_model_parallel` but installs nothing: the
     returned value is passed explicitly (``parallel_state=``)."""
@@ -281,7 +297,7 @@ def create_parallel_state(
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
-                    ep=expert_model_parallel_size)
+                    cp=context_parallel_size, ep=expert_model_parallel_size)
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError(
@@ -307,6 +323,11 @@ def create_parallel_state(
         g = dist.new_group(ranks=list(ranks), backend=backend)
         if rank in ranks:
             emb_group, emb_ranks = g, list(ranks)
+    cp_group = dpcp_group = None
+    cp_ranks = [rank]
+    if grid.cp > 1:
+        cp_group, cp_ranks = _new_groups(grid, rank, ["cp"], backend)
+        dpcp_group, _ = _new_groups(grid, rank, ["cp", "dp"], backend)
     ep_group = edp_group = None
     ep_ranks, edp_ranks = [rank], dp_ranks
     if grid.ep > 1:
@@ -320,7 +341,8 @@ def create_parallel_state(
                 edp_group, edp_ranks = g, ranks
     # On one node our collectives on these groups (tensor-parallel activations,
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
-    for g in (tp_group, dp_group, mp_group, emb_group, ep_group, edp_group):
+    for g in (tp_group, dp_group, mp_group, emb_group, ep_group, edp_group, cp_group,
+              dpcp_group):
         enable_shared_memory(g)
     # ... and, with MAPP_SHM_P2P=1, the pipeline's activations and gradients.
     enable_shared_memory(pp_group, p2p=True)
@@ -335,9 +357,11 @@ def create_parallel_state(
         virtual_pipeline_size=virtual_pipeline_model_parallel_size,
         virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size else None,
         group_ranks={"tp": tp_ranks, "dp": dp_ranks, "pp": pp_ranks, "mp": mp_ranks,
-                     "embedding": emb_ranks, "ep": ep_ranks, "edp": edp_ranks},
+                     "embedding": emb_ranks, "ep": ep_ranks, "edp": edp_ranks, "cp": cp_ranks},
         expert_group=ep_group,
         expert_data_group=edp_group,
+        context_group=cp_group,
+        data_context_group=dpcp_group,
     )
 
 
@@ -348,7 +372,7 @@ def destroy_model_parallel() -> None:
         return
     groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
               _STATE.model_group, _STATE.embedding_group, _STATE.expert_group,
-              _STATE.expert_data_group}
+              _STATE.expert_data_group, _STATE.context_group, _STATE.data_context_group}
     for g in groups:
         if g is not None and dist.is_initialized():
             disable_shared_memory(g)
@@ -397,6 +421,19 @@ def get_model_parallel_group():
 
 def get_embedding_group():
     return get_parallel_state().embedding_group
+
+
+def get_context_parallel_group():
+    """The ranks splitting one sequence with this one; None when cp == 1."""
+    return get_parallel_state().context_group
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp_rank
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp_size
 
 
 def get_expert_model_parallel_group():

@@ -1,0 +1,245 @@
+"""Context parallelism: one sequence split over the ``cp`` ranks of a context
+group (``initialize_model_parallel(..., context_parallel_size=cp)``).
+
+Layout (Megatron-Core's causal load balancing): the sequence is cut into
+``2 cp`` equal chunks and rank r holds chunks ``r`` and ``2 cp - 1 - r``
+(:func:`zigzag_split` / :func:`zigzag_gather`), so every rank has the same
+amount of causal attention work.
+
+* :func:`ring_attention` (``--cp-comm-type p2p``): the key/value blocks go
+  round the ring (asynchronous send/receive of the next block posted before
+  the current block's attention runs); each rank merges its partial results
+  by log-sum-exp. With the zigzag layout the first step is the rank's own
+  causal block and every other step is exactly half a block of unmasked work
+  (all queries against the first half of the visiting keys, or the second half
+  of the queries against all of them). Backward goes round again and sends
+  each block's dK/dV accumulator along with it, home after the last step.
+  The block kernel is ``torch.ops.mapp.attn_block_fwd/bwd`` (C++, ATen: CPU and
+  CUDA).
+* :func:`ulysses_attention` (``--cp-comm-type a2a``, DeepSpeed-Ulysses): one
+  all-to-all turns sequence shards into head shards (the whole sequence, heads
+  / cp of them), causal attention runs locally, a second all-to-all turns it
+  back. Needs the heads divisible by cp.
+
+Both take and return ``[b, heads, s_local, d]`` in the zigzag layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+import torch
+
+__all__ = ["zigzag_split", "zigzag_gather", "ring_attention", "ulysses_attention",
+           "check_sequence"]
+
+
+def check_sequence(seq_len: int, cp: int) -> None:
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x "
+                         f"--context-parallel-size ({2 * cp}): context parallelism cuts the "
+                         f"sequence into 2 x cp equal chunks; use a multiple of {2 * cp}")
+
+
+def zigzag_split(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
+    """Rank `rank`'s chunks (r and 2cp-1-r) of `x` along `dim`."""
+    check_sequence(x.shape[dim], cp)
+    if cp == 1:
+        return x
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim)
+
+
+def zigzag_gather(parts: list, dim: int) -> torch.Tensor:
+    """The full sequence from every rank's zigzag part (in rank order)."""
+    cp = len(parts)
+    if cp == 1:
+        return parts[0]
+    chunks = [None] * (2 * cp)
+    for r, p in enumerate(parts):
+        a, b = p.chunk(2, dim)
+        chunks[r], chunks[2 * cp - 1 - r] = a, b
+    return torch.cat(chunks, dim)
+
+
+def _merge(out, lse, o, l_):
+    """Log-sum-exp merge of partial attention results (in place on out/lse)."""
+    new = torch.logaddexp(lse, l_)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l_ - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _exchange(tensors, group, send_to, recv_from):
+    """Posts the sends of `tensors` to `send_to` and receives of same-shaped
+    buffers from `recv_from`; returns (buffers, requests)."""
+    bufs = [torch.empty_like(t) for t in tensors]
+    ops = []
+    for t in tensors:
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))
+    for b in bufs:
+        ops.append(dist.P2POp(dist.irecv, b, recv_from, group))
+    return bufs, dist.batch_isend_irecv(ops)
+
+
+def _step_blocks(step: int, rank: int, cp: int, s_local: int):
+    """(query slice, key slice, causal) pieces of ring step `step`'s work for
+    this rank's zigzag queries against the visiting rank's zigzag keys."""
+    half = s_local // 2
+    src = (rank - step) % cp
+    whole = slice(0, s_local)
+    if step == 0:  # own block: causal in both halves, second queries see first keys
+        return [(slice(0, half), slice(0, half), True), (slice(half, s_local), slice(0, half), False),
+                (slice(half, s_local), slice(half, s_local), True)]
+    if src < rank:  # an earlier rank's keys: all queries against its first chunk
+        return [(whole, slice(0, half), False)]
+    return [(slice(half, s_local), whole, False)]  # a later rank: second half of the queries
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        cp, rank = group.size(), group.rank()
+        ranks = dist.get_process_group_ranks(group)
+        nxt, prv = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        s = q.shape[-2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32 if
+                          q.dtype != torch.float64 else q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
+        kv = (k, v)
+        for step in range(cp):
+            reqs = None
+            if step + 1 < cp:  # the next block travels while this one is computed
+                nxt_kv, reqs = _exchange(kv, group, nxt, prv)
+            for qs, ks, causal in _step_blocks(step, rank, cp, s):
+                o, l_ = torch.ops.mapp.attn_block_fwd(q[..., qs, :], kv[0][..., ks, :],
+                                                      kv[1][..., ks, :], scale, causal)
+                _merge(out[..., qs, :], lse[..., qs], o.to(out.dtype), l_.to(out.dtype))
+            if reqs is not None:
+                for r in reqs:
+                    r.wait()
+                kv = tuple(nxt_kv)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = group.size(), group.rank()
+        ranks = dist.get_process_group_ranks(group)
+        nxt, prv = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        s = q.shape[-2]
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=lse.dtype)
+        kv = (k, v)
+        dkv = (torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype))
+        for step in range(cp):
+            reqs = None
+            if step + 1 < cp:
+                nxt_kv, reqs = _exchange(kv, group, nxt, prv)
+            for qs, ks, causal in _step_blocks(step, rank, cp, s):
+                a, b, c = torch.ops.mapp.attn_block_bwd(
+                    dout[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
+                    out[..., qs, :], lse[..., qs], scale, causal)
+                dq[..., qs, :] += a
+                dkv[0][..., ks, :] += b
+                dkv[1][..., ks, :] += c
+            # This block's dK/dV accumulator follows the block round the ring
+            # (after the last step, home to its owner).
+            nxt_dkv, dreqs = _exchange(dkv, group, nxt, prv)
+            for r in dreqs:
+                r.wait()
+            dkv = tuple(nxt_dkv)
+            if reqs is not None:
+                for r in reqs:
+                    r.wait()
+                kv = tuple(nxt_kv)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q, k, v, group) -> torch.Tensor:
+    """Causal attention of this rank's zigzag queries over the whole sequence
+    ([b, heads, s_local, d] each); `group` is the context-parallel group."""
+    if group is None or group.size() == 1:
+        return _LocalCausal.apply(q, k, v)
+    check_sequence(q.shape[-2] * group.size(), group.size())
+    return _RingAttention.apply(q, k, v, group)
+
+
+class _LocalCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = torch.ops.mapp.attn_block_fwd(q, k, v, scale, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.ops.mapp.attn_block_bwd(dout.contiguous(), q, k, v, out, lse, ctx.scale,
+                                             True)
+
+
+class _AllToAll(torch.autograd.Function):
+    """[b, H, s/cp, d] sequence shards <-> [b, H/cp, s, d] head shards (the
+    sequence in zigzag chunk order, rank-major)."""
+
+    @staticmethod
+    def forward(ctx, x, group, to_heads):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _a2a(x, group, to_heads)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group, not ctx.to_heads), None, None
+
+
+def _a2a(x, group, to_heads):
+    cp = group.size()
+    if to_heads:  # split heads, gather sequence: [cp, b, H/cp, s_local, d]
+        send = torch.stack(x.chunk(cp, 1)).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return torch.cat(recv.unbind(0), dim=2)  # [b, H/cp, s, d], rank-major sequence
+    send = torch.stack(x.chunk(cp, 2)).contiguous()  # sequence pieces back to their ranks
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=1)  # [b, H, s_local, d]
+
+
+def _natural_order(cp: int) -> list:
+    """Index of each zigzag chunk (rank-major: r's first, r's second) in the sequence."""
+    order = []
+    for r in range(cp):
+        order += [r, 2 * cp - 1 - r]
+    return order
+
+
+def ulysses_attention(q, k, v, group) -> torch.Tensor:
+    """Causal attention by two all-to-alls (heads divisible by cp)."""
+    if group is None or group.size() == 1:
+        return _LocalCausal.apply(q, k, v)
+    cp = group.size()
+    if q.shape[1] % cp:
+        raise ValueError(f"--cp-comm-type a2a needs the attention heads on this rank "
+                         f"({q.shape[1]}) divisible by --context-parallel-size {cp}; use "
+                         "--cp-comm-type p2p or a divisible head count")
+    check_sequence(q.shape[-2] * cp, cp)
+    qh, kh, vh = (_AllToAll.apply(t, group, True) for t in (q, k, v))
+    # Rank-major zigzag chunks -> sequence order, attention, and back.
+    order = _natural_order(cp)
+    inv = sorted(range(2 * cp), key=lambda i: order[i])
+
+    def reorder(t, idx):
+        chunks = t.chunk(2 * cp, 2)
+        return torch.cat([chunks[i] for i in idx], 2)
+
+    out = _LocalCausal.apply(*(reorder(t, inv) for t in (qh, kh, vh)))
+    return _AllToAll.apply(reorder(out, order), group, False)
