@@ -74,7 +74,7 @@ def _merge(out, lse, o, l_):
 def _exchange(tensors, group, send_to, recv_from):
     """Posts the sends of `tensors` to `send_to` and receives of same-shaped
     buffers from `recv_from`; returns (buffers, requests)."""
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = []
     for t in tensors:
         ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))

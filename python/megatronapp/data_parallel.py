@@ -94,8 +94,9 @@ class DistributedDataParallel(nn.Module):
     Args:
         module: the model (its parameters must be identical in number, shape
             and dtype on every rank of the group: checked at construction).
-        process_group: defaults to the data-parallel group of the grid (or the
-            world when model parallelism is not initialized).
+        process_group: defaults to the data-parallel group of the grid (data x
+            context with context parallelism; the world when model
+            parallelism is not initialized).
         bucket_size_mb: target bucket size.
         compression: None, a spec string (``"int8"``, ``"powersgd:4"``, ...) or
             a :class:`~megatronapp.comm.Compression` with a warm-up.
@@ -113,13 +114,13 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         if process_group is None:
-            if parallel_state is not None:
-                process_group = parallel_state.data_group
-            else:
-                try:
-                    process_group = get_parallel_state().data_group
-                except RuntimeError:
-                    process_group = dist.group.WORLD
+            # The weights' replicas: the data-parallel ranks, times the
+            # context-parallel ones when sequences are split.
+            try:
+                st = parallel_state or get_parallel_state()
+                process_group = st.data_context_group or st.data_group
+            except RuntimeError:
+                process_group = dist.group.WORLD
         self.group = process_group
         self.world = process_group.size()
         self.compression = parse_compression(compression)
@@ -139,7 +140,8 @@ class DistributedDataParallel(nn.Module):
             st = parallel_state or get_parallel_state()
             if process_group is not st.data_group:
                 raise ValueError("DistributedDataParallel with MoE experts reduces over the "
-                                 "grid's data and expert-data groups; do not pass process_group")
+                                 "grid's data and expert-data groups; do not pass process_group "
+                                 "(and context parallelism does not combine with experts yet)")
             self.expert_group, self.ep_size = st.expert_data_group_or_data(), st.ep_size
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32

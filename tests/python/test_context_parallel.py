@@ -82,3 +82,45 @@ def test_bad_shapes_get_clear_errors():
     assert "divisible by --context-parallel-size 2" in run_ranks(_bad, 2, "heads")[0]
     msg = run_ranks(_bad, 2, "seq")[0]
     assert msg and "not divisible by 2 x --context-parallel-size (4)" in msg
+
+
+# ---- a GPT through pretrain_gpt.py's loop ---------------------------------------------
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+       "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-iters", "1", "--no-progress",
+       "--log-interval", "1000", "--no-watchdog"]
+
+
+def _train(rank, world, flags, out_dir):
+    from megatronapp.pretrain import build_parser, train
+
+    res = train(build_parser().parse_args(GPT + flags + ["--output-dir", out_dir]))
+    return res["losses"], [h["grad_norm"] for h in res["history"]]
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_tp2_cp2_gpt_matches_tp2_step_for_step(tmp_path, comm):
+    steps = ["--train-iters", "10", "--tensor-model-parallel-size", "2"]
+    tp2, n_tp2 = run_ranks(_train, 2, steps, str(tmp_path / "a"))[0]
+    cp2, n_cp2 = run_ranks(_train, 4, steps + ["--context-parallel-size", "2",
+                                               "--cp-comm-type", comm, "--sequence-parallel"],
+                           str(tmp_path / "b"))[0]
+    for a, b in zip(tp2, cp2, strict=True):
+        assert abs(a - b) < 1e-5, (tp2, cp2)
+    for a, b in zip(n_tp2, n_cp2, strict=True):
+        assert abs(a - b) < 1e-4 * max(1.0, a), (n_tp2, n_cp2)
+
+
+def test_cp_composes_with_pipeline_zero1_and_resumes_at_cp1(tmp_path):
+    ck = str(tmp_path / "ck")
+    flags = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+             "--pipeline-schedule", "zero-bubble"]
+    full, _ = run_ranks(_train, 4, flags + ["--train-iters", "4", "--context-parallel-size",
+                                            "2", "--save", ck, "--save-interval", "2"],
+                        str(tmp_path / "a"))[0]
+    ref, _ = run_ranks(_train, 2, flags + ["--train-iters", "4"], str(tmp_path / "r"))[0]
+    for a, b in zip(full, ref, strict=True):
+        assert abs(a - b) < 1e-5, (full, ref)
+    resumed, _ = run_ranks(_train, 2, flags + ["--train-iters", "4", "--load",
+                                               ck + "/iter_0000002"], str(tmp_path / "b"))[0]
+    assert abs(resumed[0] - full[2]) < 1e-5, (resumed, full)

@@ -97,7 +97,7 @@ def _owner_of_model_copy(p, state) -> bool:
     global id) lives on one expert-parallel rank: the first rank of its
     expert-data-parallel group stores it."""
     first = state.edp_rank == 0 if getattr(p, "expert_parallel", False) else state.dp_rank == 0
-    if not first or getattr(p, "shared_embedding_replica", False):
+    if not first or state.cp_rank != 0 or getattr(p, "shared_embedding_replica", False):
         return False
     return _tp_slice(p, state) is not None or state.tp_rank == 0
 
@@ -293,7 +293,8 @@ class _CommitJob:
         meta = {"format": FORMAT_VERSION, "iteration": iteration, "config": config or {},
                 "extra": extra or {},
                 "parallel": {"world": world, "tp": state.tp_size, "pp": state.pp_size,
-                             "dp": state.dp_size, "ep": state.ep_size, "vpp": self.nchunks},
+                             "dp": state.dp_size, "ep": state.ep_size, "cp": state.cp_size,
+                             "vpp": self.nchunks},
                 "pieces": pieces, "ddp": ddp}
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(meta, f)
@@ -484,7 +485,8 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
     par = meta["parallel"]
     same = (par.get("world") == dist.get_world_size() and par.get("tp") == state.tp_size
             and par.get("pp") == state.pp_size and par.get("dp") == state.dp_size
-            and par.get("ep", 1) == state.ep_size and par.get("vpp") == len(chunks))
+            and par.get("ep", 1) == state.ep_size and par.get("cp", 1) == state.cp_size
+            and par.get("vpp") == len(chunks))
     rank = dist.get_rank()
     if same:
         mine, _ = read(os.path.join(path, f"rank{rank}.safetensors"))

@@ -59,6 +59,9 @@ class GPTConfig:
     recompute_method: str | None = None  #: full: "uniform" or "block"
     recompute_num_layers: int | None = None  #: full: layers per group / first N layers
     distribute_saved_activations: bool = False  #: full: keep 1/tp of each layer input
+    #: context parallelism (the parallel state's cp > 1): "p2p" ring attention
+    #: or "a2a" (Ulysses); inputs are this rank's zigzag chunks of the sequence
+    cp_comm_type: str = "p2p"
     # ---- mixture of experts (Megatron's --num-experts and --moe-* flags) ----
     num_experts: int | None = None  #: None: dense MLPs everywhere
     #: int N: every N-th layer (0, N, 2N, ...) is MoE; or a 0/1 list per layer
@@ -203,6 +206,10 @@ class ParallelAttention(nn.Module):
         self.backend = cfg.attention_backend
         self.fused = cfg.attention_backend in ("auto", "flash", "fused")
         self.selective = cfg.recompute_granularity == "selective"
+        self.context_group = state.context_group  # None: no context parallelism
+        self.cp_comm_type = cfg.cp_comm_type
+        if self.context_group is not None and cfg.attention_dropout > 0:
+            raise ValueError("attention dropout with context parallelism is not supported")
         sp = cfg.sequence_parallel
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, 3 * cfg.hidden_size, sequence_parallel=sp,
@@ -228,6 +235,10 @@ class ParallelAttention(nn.Module):
         probabilities ([b, heads, s, d] each): the part selective
         recomputation recomputes. The heads are this rank's, so dropout
         draws from the tracked tensor-parallel state."""
+        if self.context_group is not None:  # the sequence is split over the context group
+            from ..context_parallel import ring_attention, ulysses_attention
+            fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
+            return fn(q, k, v, self.context_group)
         p = self.dropout_p if self.training else 0.0
         # auto: torch's fused attention, except on CPU with dropout, where it
         # falls back to its math path with torch's slow Bernoulli: there the
@@ -324,6 +335,7 @@ class GPTModel(nn.Module):
         if cfg.sequence_parallel and state.tp_size == 1:
             cfg.sequence_parallel = False  # nothing to shard
         self.group = state.tensor_group
+        self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_numbers = list(range(cfg.num_layers) if layer_numbers is None else layer_numbers)
         if any(not 0 <= i < cfg.num_layers for i in self.layer_numbers):
@@ -365,10 +377,16 @@ class GPTModel(nn.Module):
         if self.pre_process:
             input_ids = x
             b, s = input_ids.shape
-            if s > self.config.seq_length:
+            if s * self.cp_size > self.config.seq_length:
                 raise ValueError(
-                    f"sequence length {s} exceeds the model's seq_length {self.config.seq_length}")
-            pos = torch.arange(s, device=input_ids.device)
+                    f"sequence length {s * self.cp_size} exceeds the model's seq_length "
+                    f"{self.config.seq_length}")
+            if self.cp_size > 1:  # this rank's zigzag chunks of the positions
+                from ..context_parallel import zigzag_split
+                pos = zigzag_split(torch.arange(s * self.cp_size, device=input_ids.device),
+                                   self.cp_size, self.cp_rank, 0)
+            else:
+                pos = torch.arange(s, device=input_ids.device)
             x = self.word_embeddings(input_ids) + self.position_embeddings(pos)  # [b, s, h]
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
             if self.config.sequence_parallel:

@@ -67,6 +67,11 @@ class ParallelConfig:
         metavar="N,N,...")
     sequence_parallel: bool = _flag(False, "shard LayerNorm/dropout activations over the "
                                     "tensor group along the sequence")
+    context_parallel_size: int = _flag(
+        1, "split every sequence over this many ranks (cp; zigzag chunks, causal balance)")
+    cp_comm_type: str = _flag("p2p", "context-parallel attention: p2p (ring exchange of K/V) "
+                              "or a2a (all-to-all to head shards, DeepSpeed-Ulysses)",
+                              choices=("p2p", "a2a"))
     distributed_backend: str = _flag("auto", "auto: nccl with CUDA, gloo otherwise",
                                      choices=("auto", "gloo", "nccl"))
 
@@ -381,9 +386,11 @@ class Config:
 
         par, m, o = self.parallel, self.model, self.optim
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        cp = par.context_parallel_size
         v = par.virtual_pipeline_model_parallel_size or 1
         for name, value in (("--tensor-model-parallel-size", tp),
                             ("--pipeline-model-parallel-size", pp), ("--num-layers", m.num_layers),
+                            ("--context-parallel-size", cp),
                             ("--hidden-size", m.hidden_size), ("--seq-length", m.seq_length),
                             ("--num-attention-heads", m.num_attention_heads),
                             ("--micro-batch-size", o.micro_batch_size),
@@ -398,14 +405,15 @@ class Config:
                              self.data_parallel.grad_compression_start_iter)):
             if value < 0:
                 raise ConfigError(f"{name} must be >= 0, got {value}")
-        if world_size % (tp * pp) != 0:
+        if world_size % (tp * pp * cp) != 0:
             raise ConfigError(f"world size {world_size} is not divisible by "
                               f"--tensor-model-parallel-size {tp} x "
-                              f"--pipeline-model-parallel-size {pp}")
+                              f"--pipeline-model-parallel-size {pp}"
+                              + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
         if v > 1 and pp == 1:
             raise ConfigError("--virtual-pipeline-model-parallel-size needs "
                               "--pipeline-model-parallel-size > 1")
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * pp * cp)
         if o.global_batch_size % (o.micro_batch_size * dp) != 0:
             raise ConfigError(
                 f"--global-batch-size {o.global_batch_size} is not divisible by "
@@ -424,6 +432,7 @@ class Config:
         if par.sequence_parallel and tp > 1 and m.seq_length % tp:
             raise ConfigError(f"--seq-length {m.seq_length} must be divisible by the "
                               f"tensor-parallel size {tp} with --sequence-parallel")
+        self._check_context_parallel(tp, cp)
         try:
             layout = layer_layout(
                 m.num_layers, pp, v, first=par.decoder_first_pipeline_num_layers,
@@ -465,6 +474,29 @@ class Config:
             raise ConfigError("--trace-detect-interval needs --trace")
         self._check_data()
         return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+
+    def _check_context_parallel(self, tp: int, cp: int) -> None:
+        par, m = self.parallel, self.model
+        if cp == 1:
+            return
+        if m.seq_length % (2 * cp):
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x "
+                              f"--context-parallel-size ({2 * cp}): each rank holds two of "
+                              f"2 x cp equal chunks; use a multiple of {2 * cp}")
+        if par.sequence_parallel and tp > 1 and (m.seq_length // cp) % tp:
+            raise ConfigError(f"--seq-length {m.seq_length} / --context-parallel-size {cp} "
+                              f"must be divisible by the tensor-parallel size {tp} with "
+                              "--sequence-parallel")
+        if par.cp_comm_type == "a2a" and (m.num_attention_heads // tp) % cp:
+            raise ConfigError(f"--cp-comm-type a2a needs the heads per tensor rank "
+                              f"({m.num_attention_heads // tp}) divisible by "
+                              f"--context-parallel-size {cp}; use --cp-comm-type p2p")
+        if m.attention_dropout > 0:
+            raise ConfigError("--attention-dropout with --context-parallel-size > 1 is not "
+                              "supported (the ring attention has no dropout); set it to 0")
+        if self.moe.num_experts is not None:
+            raise ConfigError("--num-experts with --context-parallel-size > 1 is not supported "
+                              "yet")
 
     def _check_moe(self, dp: int) -> None:
         moe, ep = self.moe, self.moe.expert_model_parallel_size

@@ -51,12 +51,14 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
     for chunk in chunks:
         if isinstance(chunk, GradSync):
             chunk.finish_grad_sync()
-        elif state.dp_size > 1:
+        elif state.dp_size * state.cp_size > 1:
             dense, experts = [], []
             for p in chunk.parameters():
                 if p.grad is not None:
                     (experts if getattr(p, "expert_parallel", False) else dense).append(p.grad)
-            _collectives.coalesced_all_reduce_(dense, state.data_group, scale=1.0 / state.dp_size)
+            # replicas: the data (x context) ranks
+            group = state.data_context_group or state.data_group
+            _collectives.coalesced_all_reduce_(dense, group, scale=1.0 / group.size())
             if experts:  # summed over ep by the dispatcher; over edp here: 1/dp in all
                 _collectives.coalesced_all_reduce_(experts, state.expert_data_group_or_data(),
                                                    scale=1.0 / state.dp_size)

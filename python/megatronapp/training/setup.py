@@ -216,7 +216,8 @@ def build_parallel_state(config: Config, *, install: bool = False) -> ParallelSt
     return make(tensor_model_parallel_size=par.tensor_model_parallel_size,
                 pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-                expert_model_parallel_size=config.moe.expert_model_parallel_size)
+                expert_model_parallel_size=config.moe.expert_model_parallel_size,
+                context_parallel_size=par.context_parallel_size)
 
 
 def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GPTConfig:
@@ -234,6 +235,7 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
         recompute_method=config.recompute.recompute_method,
         recompute_num_layers=config.recompute.recompute_num_layers,
         distribute_saved_activations=config.recompute.distribute_saved_activations,
+        cp_comm_type=config.parallel.cp_comm_type,
         **config.moe_model_kwargs())
 
 
@@ -337,7 +339,8 @@ def build_run(config: Config, hooks=()) -> Run:
     chunks = wrap_data_parallel(config, modules, state)
     optimizer = build_optimizer(config, chunks, state)
     m = config.model
-    seq = m.seq_length // state.tp_size if cfg.sequence_parallel else m.seq_length
+    seq = m.seq_length // state.cp_size  # each context rank holds its zigzag chunks
+    seq = seq // state.tp_size if cfg.sequence_parallel else seq
     return Run(config=config, plan=plan, rank=rank, world=world,
                state=state, device=device, dataset=dataset, model_config=cfg, chunks=chunks,
                optimizer=optimizer,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch
 
 from .. import trace as tracing
+from ..context_parallel import zigzag_split
 from ..pipeline import AdaptiveSchedule, current_schedule, forward_backward, make_schedule
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from .grads import finish_gradients
@@ -63,6 +64,9 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
                                                   first_sample=first)
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
+        if state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
+            micro = [(zigzag_split(x, state.cp_size, state.cp_rank, 1),
+                      zigzag_split(y, state.cp_size, state.cp_rank, 1)) for x, y in micro]
     device = run.device
     # fp16: the loss is scaled before backward (the optimizer unscales the
     # gradients); the reported losses are divided back.
@@ -94,7 +98,8 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
         total += torch.stack(res.losses).double().sum()
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
-    return float(total) / (len(micro) * state.dp_size * scale)
+    # (each context rank's loss is the mean over its equal share of the tokens)
+    return float(total) / (len(micro) * state.dp_size * state.cp_size * scale)
 
 
 def train_step(run, it: int) -> StepResult:
