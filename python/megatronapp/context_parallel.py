@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 import torch
 
+from . import trace as _trace
+
 __all__ = ["zigzag_split", "zigzag_gather", "ring_attention", "ulysses_attention",
            "check_sequence"]
 
@@ -69,6 +71,14 @@ def _merge(out, lse, o, l_):
     new = torch.logaddexp(lse, l_)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l_ - new).unsqueeze(-1))
     lse.copy_(new)
+
+
+def _wait(reqs, peer: int) -> None:
+    """Waits for a ring exchange: traced as `cp_ring_wait` (what the step's
+    compute did not hide)."""
+    with _trace.scope("cp_ring_wait", "p2p", lane=0, peer=peer):
+        for r in reqs:
+            r.wait()
 
 
 def _exchange(tensors, group, send_to, recv_from):
@@ -113,13 +123,13 @@ class _RingAttention(torch.autograd.Function):
             reqs = None
             if step + 1 < cp:  # the next block travels while this one is computed
                 nxt_kv, reqs = _exchange(kv, group, nxt, prv)
-            for qs, ks, causal in _step_blocks(step, rank, cp, s):
-                o, l_ = torch.ops.mapp.attn_block_fwd(q[..., qs, :], kv[0][..., ks, :],
-                                                      kv[1][..., ks, :], scale, causal)
-                _merge(out[..., qs, :], lse[..., qs], o.to(out.dtype), l_.to(out.dtype))
+            with _trace.scope("cp_ring_step", "compute", lane=0):
+                for qs, ks, causal in _step_blocks(step, rank, cp, s):
+                    o, l_ = torch.ops.mapp.attn_block_fwd(q[..., qs, :], kv[0][..., ks, :],
+                                                          kv[1][..., ks, :], scale, causal)
+                    _merge(out[..., qs, :], lse[..., qs], o.to(out.dtype), l_.to(out.dtype))
             if reqs is not None:
-                for r in reqs:
-                    r.wait()
+                _wait(reqs, prv)
                 kv = tuple(nxt_kv)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -142,22 +152,21 @@ class _RingAttention(torch.autograd.Function):
             reqs = None
             if step + 1 < cp:
                 nxt_kv, reqs = _exchange(kv, group, nxt, prv)
-            for qs, ks, causal in _step_blocks(step, rank, cp, s):
-                a, b, c = torch.ops.mapp.attn_block_bwd(
-                    dout[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
-                    out[..., qs, :], lse[..., qs], scale, causal)
-                dq[..., qs, :] += a
-                dkv[0][..., ks, :] += b
-                dkv[1][..., ks, :] += c
+            with _trace.scope("cp_ring_step_backward", "compute", lane=0):
+                for qs, ks, causal in _step_blocks(step, rank, cp, s):
+                    a, b, c = torch.ops.mapp.attn_block_bwd(
+                        dout[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
+                        out[..., qs, :], lse[..., qs], scale, causal)
+                    dq[..., qs, :] += a
+                    dkv[0][..., ks, :] += b
+                    dkv[1][..., ks, :] += c
             # This block's dK/dV accumulator follows the block round the ring
             # (after the last step, home to its owner).
             nxt_dkv, dreqs = _exchange(dkv, group, nxt, prv)
-            for r in dreqs:
-                r.wait()
+            _wait(dreqs, prv)
             dkv = tuple(nxt_dkv)
             if reqs is not None:
-                for r in reqs:
-                    r.wait()
+                _wait(reqs, prv)
                 kv = tuple(nxt_kv)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 

@@ -124,3 +124,23 @@ def test_cp_composes_with_pipeline_zero1_and_resumes_at_cp1(tmp_path):
     resumed, _ = run_ranks(_train, 2, flags + ["--train-iters", "4", "--load",
                                                ck + "/iter_0000002"], str(tmp_path / "b"))[0]
     assert abs(resumed[0] - full[2]) < 1e-5, (resumed, full)
+
+
+def _traced(rank, world, out_dir):
+    from megatronapp.pretrain import build_parser, train
+
+    args = build_parser().parse_args(GPT + ["--train-iters", "2", "--context-parallel-size", "2",
+                                            "--output-dir", out_dir, "--trace", "--trace-dir",
+                                            out_dir + "/trace"])
+    return train(args)["losses"]
+
+
+def test_ring_steps_are_trace_events(tmp_path):
+    import os
+
+    from megatronapp.trace.aggregate import load_trace
+
+    run_ranks(_traced, 2, str(tmp_path))
+    events = load_trace(os.path.join(str(tmp_path), "trace", "trace.rank1.json"))
+    names = {e.get("name") for e in events if e.get("ph") == "X"}
+    assert {"cp_ring_step", "cp_ring_step_backward", "cp_ring_wait"} <= names, names
