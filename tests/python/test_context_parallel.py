@@ -144,3 +144,22 @@ def test_ring_steps_are_trace_events(tmp_path):
     events = load_trace(os.path.join(str(tmp_path), "trace", "trace.rank1.json"))
     names = {e.get("name") for e in events if e.get("ph") == "X"}
     assert {"cp_ring_step", "cp_ring_step_backward", "cp_ring_wait"} <= names, names
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--context-parallel-size", "2", "--seq-length", "30"], 2, "not divisible by 2 x"),
+    (["--context-parallel-size", "3"], 4, "not divisible by .* --context-parallel-size 3"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
+      "--hidden-size", "64", "--tensor-model-parallel-size", "2"], 4, "heads per tensor rank"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "attention-dropout"),
+])
+def test_bad_context_parallel_flags_are_refused_before_any_collective(flags, world, message):
+    import re
+
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config
+    from megatronapp.training.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        Config.from_args(build_parser().parse_args(flags)).check(world)
+    assert re.search(message, str(e.value)), str(e.value)
