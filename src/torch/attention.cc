@@ -11,6 +11,8 @@
 //     with out / lse the final (merged) ones: P = exp(S - lse),
 //     dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q scale.
 #include <ATen/ATen.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -48,11 +50,26 @@ at::ScalarType acc_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// On CPU, float32 / bfloat16 blocks of [B, H, S, D] go through ATen's fused
+// flash kernel, which returns the log-sum-exp and whose backward takes the
+// (merged) output and log-sum-exp, exactly the block contract here; other
+// cases use the matmul formulation below.
+bool use_cpu_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto t = q.scalar_type();
+  return q.device().is_cpu() && q.dim() == 4 && (t == at::kFloat || t == at::kBFloat16) &&
+         k.scalar_type() == t && v.scalar_type() == t && q.size(-1) == v.size(-1);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attn_block_fwd(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, double scale, bool causal) {
   check_qkv(q, k, v, causal, "attn_block_fwd");
+  if (use_cpu_flash(q, k, v)) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {},
+                                                                       scale);
+    return {out, lse.to(at::kFloat)};
+  }
   const auto acc = acc_type(q);
   at::Tensor s = scores(q.to(acc), k.to(acc), scale, causal);
   at::Tensor lse = at::logsumexp(s, -1);
@@ -65,6 +82,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_block_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double scale, bool causal) {
   check_qkv(q, k, v, causal, "attn_block_bwd");
+  if (use_cpu_flash(q, k, v)) {
+    const auto t = q.scalar_type();
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(t), q, k, v, out.to(t), lse.to(at::kFloat), 0.0, causal, {}, scale);
+  }
   const auto acc = acc_type(q);
   at::Tensor qa = q.to(acc), ka = k.to(acc), va = v.to(acc), g = dout.to(acc);
   at::Tensor p = (scores(qa, ka, scale, causal) - lse.to(acc).unsqueeze(-1)).exp_();
