@@ -31,6 +31,7 @@ from . import (  # noqa: E402,I001
     data_parallel,
     memory,
     models,
+    moe,  # registers the MoE layer with the GPT model (GPTConfig(num_experts=...))
     optimizer,
     parallel_state,
     tensor_parallel,
@@ -72,5 +73,5 @@ __all__ = [
     "optimizer",
     "parallel_state",
     "tensor_parallel",
-    "training",
+    "training", "moe",
 ]

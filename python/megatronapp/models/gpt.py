@@ -272,6 +272,11 @@ class ParallelMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+#: The MoE layer class, registered by megatronapp.moe when it is imported (the
+#: feature depends on the model, not the reverse; importing megatronapp does it).
+MOE_LAYER: list = []
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: GPTConfig, state: ParallelState, layer_number: int = 0):
         super().__init__()
@@ -282,9 +287,11 @@ class TransformerLayer(nn.Module):
         self.attn = ParallelAttention(cfg, state, output_std)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         if cfg.is_moe_layer(layer_number):
-            from ..moe import MoELayer  # the dense model does not import it
+            if not MOE_LAYER:
+                raise RuntimeError("GPTConfig(num_experts=...) needs the MoE layer: import "
+                                   "megatronapp (or megatronapp.moe) first")
             seed = int(torch.randint(0, 2**62, (1,)))  # from this layer's seeded stream
-            self.mlp = MoELayer(cfg, state, output_std, seed)
+            self.mlp = MOE_LAYER[0](cfg, state, output_std, seed)
         else:
             self.mlp = ParallelMLP(cfg, state, output_std)
         _mark_sequence_parallel(self.ln1, cfg.sequence_parallel)

@@ -9,10 +9,11 @@ combine (all-reduce, or reduce-scatter back to the sequence shard).
 
 The router's auxiliary losses reach the router through backward without
 being added to the language-model loss: :class:`AuxLoss` passes the
-activations through unchanged and hands the aux loss a gradient of
-:func:`aux_loss_scale` (Megatron's MoEAuxLossAutoScaler), which the training
-step sets to 1 / microbatches (times the fp16 loss scale). The values of the
-last forward are kept in ``layer.last_aux_loss`` for logging.
+activations through unchanged and hands the aux loss a gradient of the
+layer's ``aux_loss_scale`` (else the module-wide :func:`aux_loss_scale`;
+Megatron's MoEAuxLossAutoScaler), which the training step sets to
+1 / microbatches (times the fp16 loss scale). The value of the last forward is
+kept in ``layer.last_aux_loss`` (a tensor) for logging.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _collectives
 from .. import trace as _trace
+from ..models import gpt as _gpt
 from ..parallel_state import ParallelState
 from ..tensor_parallel import mappings
 from .dispatcher import combine, dispatch
@@ -40,14 +43,16 @@ def aux_loss_scale() -> float:
 
 
 class AuxLoss(torch.autograd.Function):
+    """Identity on `x`; in backward hands `aux` the gradient `scale`."""
+
     @staticmethod
-    def forward(ctx, x, aux):
-        ctx.dtype, ctx.device = aux.dtype, aux.device
+    def forward(ctx, x, aux, scale):
+        ctx.dtype, ctx.device, ctx.scale = aux.dtype, aux.device, scale
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), aux_loss_scale(), dtype=ctx.dtype, device=ctx.device)
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=ctx.device), None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -65,6 +70,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
+    is_moe_layer = True  #: how megatronapp.moe.moe_layers finds it
+
     def __init__(self, cfg, state: ParallelState, output_std: float, seed: int):
         super().__init__()
         E, ep = cfg.num_experts, state.ep_size
@@ -88,8 +95,11 @@ class MoELayer(nn.Module):
             self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,
             init_std=cfg.init_method_std, output_std=output_std)
         self.group = state.expert_group
-        self.last_aux_loss = 0.0
+        self.last_aux_loss = torch.zeros(())
         self.last_tokens_per_expert: list[int] = []
+        #: the aux losses' gradient (None: the module-wide aux_loss_scale());
+        #: the training step sets 1 / microbatches x the fp16 loss scale
+        self.aux_loss_scale: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp_group = self.state.tensor_group
@@ -121,7 +131,24 @@ class MoELayer(nn.Module):
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, tp_group)
         else:
             out = mappings.reduce_from_tensor_model_parallel_region(out, tp_group)
-        self.last_aux_loss = float(aux.detach())
+        self.last_aux_loss = aux.detach()  # a tensor: no host synchronization per layer
         if aux.requires_grad and self.training:
-            out = AuxLoss.apply(out, aux)
+            scale = self.aux_loss_scale if self.aux_loss_scale is not None else aux_loss_scale()
+            out = AuxLoss.apply(out, aux, scale)
         return out
+
+    @torch.no_grad()
+    def update_expert_bias(self, data_group=None) -> None:
+        """After a step: DeepSeek-V3's bias update from the step's load summed
+        over `data_group` (every tensor rank saw the same tokens); no-op without
+        an expert bias."""
+        r = self.router
+        if r.expert_bias is None:
+            return
+        load = r.local_tokens_per_expert.clone()
+        if data_group is not None and data_group.size() > 1:
+            _collectives.all_reduce_sum_(load, data_group)
+        r.update_expert_bias(load)
+
+
+_gpt.MOE_LAYER[:] = [MoELayer]

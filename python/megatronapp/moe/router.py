@@ -35,8 +35,8 @@ class Router(nn.Module):
     ``expert_idx`` is -1 where capacity dropped the assignment (its weight is
     then 0). ``aux`` is the weighted sum of the load-balancing and z losses
     (a differentiable scalar; 0 when both are off). Statistics of the last
-    forward: :attr:`last_load` (assignments per expert before dropping),
-    :attr:`last_dropped`."""
+    forward, as tensors: :attr:`last_load` (assignments per expert before
+    dropping), :attr:`last_dropped`."""
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *,
                  score_function: str = "softmax", pre_softmax: bool = False,
@@ -143,7 +143,7 @@ class Router(nn.Module):
                 kept.scatter_(0, top, True)
             kept &= w >= 0
             keep = kept.gather(1, idx)
-        self.last_dropped = int((~keep).sum())
+        self.last_dropped = (~keep).sum()  # a tensor: no host synchronization
         return torch.where(keep, idx, torch.full_like(idx, -1)), probs * keep
 
     @torch.no_grad()

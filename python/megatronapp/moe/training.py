@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _collectives
-
 
 def is_expert(param: torch.Tensor) -> bool:
     """Whether `param` belongs to one expert (sharded over the expert-parallel
@@ -14,9 +12,9 @@ def is_expert(param: torch.Tensor) -> bool:
 
 
 def moe_layers(model) -> list:
-    from .layer import MoELayer
+    """The MoE layers of `model` (a module or a list of pipeline chunks)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
+    return [m for c in chunks for m in c.modules() if getattr(m, "is_moe_layer", False)]
 
 
 @torch.no_grad()
@@ -25,10 +23,4 @@ def update_expert_biases(model, data_group=None) -> None:
     ``moe_router_enable_expert_bias``, from the step's load summed over the
     data-parallel group (every tensor rank saw the same tokens)."""
     for layer in moe_layers(model):
-        r = layer.router
-        if r.expert_bias is None:
-            continue
-        load = r.local_tokens_per_expert.clone()
-        if data_group is not None and data_group.size() > 1:
-            _collectives.all_reduce_sum_(load, data_group)
-        r.update_expert_bias(load)
+        layer.update_expert_bias(data_group)

@@ -522,6 +522,12 @@ class Config:
                 not moe.moe_dispatch_compression.startswith("int8"):
             raise ConfigError(f"--moe-dispatch-compression {moe.moe_dispatch_compression!r}: "
                               "expected none, int8[:block], bf16 or fp16")
+        if not 1 <= moe.moe_router_topk <= moe.num_experts:
+            raise ConfigError(f"--moe-router-topk {moe.moe_router_topk} must be in [1, "
+                              f"--num-experts {moe.num_experts}]")
+        if moe.moe_expert_capacity_factor is not None and moe.moe_expert_capacity_factor <= 0:
+            raise ConfigError(f"--moe-expert-capacity-factor must be > 0, got "
+                              f"{moe.moe_expert_capacity_factor}")
         try:
             from ..models.gpt import GPTConfig
 
@@ -529,10 +535,6 @@ class Config:
                       num_layers=self.model.num_layers,
                       num_attention_heads=self.model.num_attention_heads,
                       **self.moe_model_kwargs())
-            from ..moe import Router
-
-            Router(1, moe.num_experts, moe.moe_router_topk,
-                   capacity_factor=moe.moe_expert_capacity_factor)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -72,8 +72,10 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     # gradients); the reported losses are divided back.
     scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
     if run.config.moe.num_experts is not None:  # the routers' aux losses: as the main loss
-        from ..moe import set_aux_loss_scale
-        set_aux_loss_scale(scale / len(micro))
+        for chunk in run.chunks:
+            for m in chunk.modules():
+                if getattr(m, "is_moe_layer", False):
+                    m.aux_loss_scale = scale / len(micro)
 
     def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
         # The cross-entropy runs in fp32 whatever the model's precision (as
@@ -115,8 +117,10 @@ def train_step(run, it: int) -> StepResult:
                                      run.config.optim.clip_grad)
         run.optimizer.step()
         if run.config.moe.moe_router_enable_expert_bias:
-            from ..moe import update_expert_biases
-            update_expert_biases(run.chunks, run.state.data_group)
+            for chunk in run.chunks:
+                for m in chunk.modules():
+                    if getattr(m, "is_moe_layer", False):
+                        m.update_expert_bias(run.state.data_group)
     return StepResult(loss, grad_norm, lr)
 
 
