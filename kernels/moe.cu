@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "mapp/kernels/moe.cuh"
@@ -31,27 +32,16 @@ __global__ void gather_rows_kernel(const unsigned char* src, std::int64_t row_by
 
 template <typename T>
 __device__ float to_f(T v) {
-  return static_cast<float>(v);
+  if constexpr (std::is_same_v<T, __half>) return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else return static_cast<float>(v);
 }
-template <>
-__device__ float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
+
 template <typename T>
 __device__ T from_f(float v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __half from_f<__half>(float v) {
-  return __float2half(v);
-}
-template <>
-__device__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
+  if constexpr (std::is_same_v<T, __half>) return __float2half(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(v);
+  else return static_cast<T>(v);
 }
 
 template <typename T>

@@ -107,12 +107,17 @@ def _step_blocks(step: int, rank: int, cp: int, s_local: int):
     return [(slice(half, s_local), whole, False)]  # a later rank: second half of the queries
 
 
+def _ring(group):
+    """(size, rank, next global rank, previous global rank) of the ring."""
+    cp, rank = group.size(), group.rank()
+    ranks = dist.get_process_group_ranks(group)
+    return cp, rank, ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
-        cp, rank = group.size(), group.rank()
-        ranks = dist.get_process_group_ranks(group)
-        nxt, prv = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        cp, rank, nxt, prv = _ring(group)
         s = q.shape[-2]
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32 if
@@ -140,9 +145,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        cp, rank = group.size(), group.rank()
-        ranks = dist.get_process_group_ranks(group)
-        nxt, prv = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        cp, rank, nxt, prv = _ring(group)
         s = q.shape[-2]
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=lse.dtype)

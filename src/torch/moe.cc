@@ -352,7 +352,6 @@ at::Tensor moe_weight_grads(const at::Tensor& grad, const at::Tensor& y_back,
 
 std::vector<std::int64_t> moe_plan_stats(const at::Tensor& plan) {
   const Plan p = unpack(plan);
-  const auto tpe = p.tokens_per_local_expert();
   std::vector<std::int64_t> out{p.route.dropped_by_capacity, p.route.rows()};
   append(out, p.route.kept_per_expert);
   return out;

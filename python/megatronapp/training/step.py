@@ -53,6 +53,14 @@ def lr_at(optim, it: int) -> float:
     return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * frac))
 
 
+def _moe_layers(run) -> list:
+    """The MoE layers of this rank's chunks (megatronapp.moe.moe_layers; not
+    imported here, so the training edge does not depend on the MoE package)."""
+    if run.config.moe.num_experts is None:
+        return []
+    return [m for c in run.chunks for m in c.modules() if getattr(m, "is_moe_layer", False)]
+
+
 def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     """Runs one global batch through this rank's part of the schedule; returns
     the mean loss over the global batch (the same on every rank)."""
@@ -71,11 +79,8 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     # fp16: the loss is scaled before backward (the optimizer unscales the
     # gradients); the reported losses are divided back.
     scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
-    if run.config.moe.num_experts is not None:  # the routers' aux losses: as the main loss
-        for chunk in run.chunks:
-            for m in chunk.modules():
-                if getattr(m, "is_moe_layer", False):
-                    m.aux_loss_scale = scale / len(micro)
+    for layer in _moe_layers(run):  # the routers' aux losses: scaled as the main loss
+        layer.aux_loss_scale = scale / len(micro)
 
     def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
         # The cross-entropy runs in fp32 whatever the model's precision (as
@@ -116,11 +121,8 @@ def train_step(run, it: int) -> StepResult:
         grad_norm = finish_gradients(run.chunks, run.optimizer, run.state,
                                      run.config.optim.clip_grad)
         run.optimizer.step()
-        if run.config.moe.moe_router_enable_expert_bias:
-            for chunk in run.chunks:
-                for m in chunk.modules():
-                    if getattr(m, "is_moe_layer", False):
-                        m.update_expert_bias(run.state.data_group)
+        for layer in _moe_layers(run):
+            layer.update_expert_bias(run.state.data_group)  # no-op without an expert bias
     return StepResult(loss, grad_norm, lr)
 
 
