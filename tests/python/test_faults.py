@@ -94,3 +94,27 @@ def test_mismatched_flags_across_ranks_are_one_clear_error(tmp_path):
     text = (tmp_path / "rank0.err").read_text()
     assert "different flags" in text and "--hidden-size: 64 on ranks [0, 1], 128 on ranks [2]" \
         in text, text[-1500:]
+
+
+def test_sigterm_during_the_agreement_is_not_lost(monkeypatch):
+    """The SIGTERM handler runs between bytecodes, possibly right after the
+    ranks' agreement all-reduce returns; a signal landing there must stop the
+    next iteration (it used to be overwritten by the all-reduce's result)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatronapp.training.hooks import PreemptionHook
+
+    hook = PreemptionHook()
+    calls = []
+
+    def all_reduce(t, op=None):  # the peer saw nothing; our signal lands during the call
+        calls.append(float(t[0]))
+        if len(calls) == 1:
+            hook._on_sigterm(signal.SIGTERM, None)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    run = SimpleNamespace(world=2)
+    assert hook.should_stop(run, 0) is False  # the all-reduce had already read 0
+    assert hook.should_stop(run, 1) is True and calls == [0.0, 1.0]

@@ -159,11 +159,11 @@ class PreemptionHook(Hook):
     loop then saves a checkpoint with --save)."""
 
     def __init__(self):
-        self.flag = False
+        self.received = False  #: set by the handler only, never cleared
         self.previous = None
 
     def _on_sigterm(self, signum, frame):
-        self.flag = True
+        self.received = True
 
     def on_start(self, run):
         try:
@@ -172,11 +172,14 @@ class PreemptionHook(Hook):
             self.previous = None
 
     def should_stop(self, run, it):
-        if run.world > 1:  # did any rank get SIGTERM? (one tiny all-reduce per iteration)
-            flag = torch.tensor([1.0 if self.flag else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self.flag = bool(flag.item())
-        return self.flag
+        # The handler runs between bytecodes, possibly right after the all-reduce
+        # returns: it only ever sets `received`, so a signal that lands while
+        # the ranks agree is seen at the next iteration instead of being lost.
+        if run.world == 1:
+            return self.received
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # did any rank get SIGTERM?
+        return bool(flag.item())
 
     def close(self, error=None):
         if self.previous is not None:
