@@ -126,6 +126,35 @@ def test_cp_composes_with_pipeline_zero1_and_resumes_at_cp1(tmp_path):
     assert abs(resumed[0] - full[2]) < 1e-5, (resumed, full)
 
 
+# CP2 next to the same run at CP1 (the cp ranks become absent; dp stays):
+# (extra flags, ranks at CP1, loss tolerance). Exact compositions agree to
+# fp32 summation order; int8's error feedback and bf16 round partial sums
+# that differ between the layouts.
+COMPOSED = {
+    "pp2-interleaved-full-recompute": (["--num-layers", "4", "--pipeline-model-parallel-size",
+                                        "2", "--virtual-pipeline-model-parallel-size", "2",
+                                        "--recompute-granularity", "full", "--recompute-method",
+                                        "uniform", "--recompute-num-layers", "1"], 2, 1e-5),
+    "pp2-dynamic-selective-a2a": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                   "dynamic", "--recompute-granularity", "selective",
+                                   "--cp-comm-type", "a2a"], 2, 1e-5),
+    "dp2-int8": (["--grad-compression", "int8"], 2, 3e-4),
+    "dp2-bf16-zero1": (["--bf16", "--use-distributed-optimizer"], 2, 3e-4),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_cp_composes_with_schedules_recompute_codecs_and_bf16(tmp_path, case):
+    flags, world, tol = COMPOSED[case]
+    steps = ["--train-iters", "6"]
+    ref, _ = run_ranks(_train, world, steps + flags, str(tmp_path / "a"))[0]
+    cp2, _ = run_ranks(_train, 2 * world, steps + flags + ["--context-parallel-size", "2"],
+                       str(tmp_path / "b"))[0]
+    assert ref[-1] < ref[0] - 0.1, ref  # it trains
+    for a, b in zip(ref, cp2, strict=True):
+        assert abs(a - b) < tol * max(1.0, abs(a)), (case, ref, cp2)
+
+
 def _traced(rank, world, out_dir):
     from megatronapp.pretrain import build_parser, train
 

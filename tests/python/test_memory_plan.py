@@ -1,7 +1,7 @@
 """The memory planner against the pool's measured peak allocated bytes, on
 every rank of a matrix of layouts (TP, SP, 1F1B / zero-bubble / interleaved /
-dynamic, DDP / ZeRO-1, int8 codec, bf16, selective / full recomputation):
-within 10%. Then --recompute-granularity auto and --memory-limit-gb, and the
+dynamic, DDP / ZeRO-1, int8 codec, bf16, selective / full recomputation,
+context parallelism p2p / a2a): within 10%. Then --recompute-granularity auto and --memory-limit-gb, and the
 command line."""
 
 import json
@@ -31,6 +31,10 @@ MATRIX = {
     "tp2-dp2-int8": TP2 + ["--grad-compression", "int8"],
     "pp4-dynamic-bf16": ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dynamic",
                          "--bf16"],
+    "tp2-cp2-p2p-sp-zero1": TP2 + ["--context-parallel-size", "2", "--sequence-parallel",
+                                   "--use-distributed-optimizer"],
+    "pp2-cp2-a2a-selective-bf16": PP2 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                                         "--recompute-granularity", "selective", "--bf16"],
     "pp2-zero-bubble-full-block": PP2 + ["--pipeline-schedule", "zero-bubble",
                                          "--recompute-granularity", "full", "--recompute-method",
                                          "block", "--recompute-num-layers", "1"],

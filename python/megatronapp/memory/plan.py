@@ -17,7 +17,9 @@ Per rank, in bytes:
   keeps for backward, counted from this runtime's layers (what each op saves:
   LayerNorm inputs, linear inputs — sharded under sequence parallelism —,
   the fused QKV output, core attention's saved tensors for the backend,
-  MLP intermediates), reduced by selective or full recomputation;
+  MLP intermediates), reduced by selective or full recomputation; under
+  context parallelism every activation holds seq / cp tokens, and gradients
+  and ZeRO-1's shards are over the dp x cp ranks that reduce them;
 * **in-flight activations**: the schedule's own peak, walking the stage's
   actions (F stores a microbatch's activations, B frees them; zero-bubble's
   BI keeps what W still needs — every linear's input and output gradient —
@@ -109,10 +111,12 @@ class _Shape:
     tp: int
     pp: int
     dp: int
+    cp: int  #: context-parallel size: activations hold s = seq / cp tokens
     vpp: int
     microbatches: int
     b: int
-    s: int
+    s: int  #: tokens of one sequence on this rank (seq / cp)
+    seq: int  #: the whole sequence (position embeddings)
     h: int
     a: int
     f: int
@@ -155,7 +159,8 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
 
     tp, pp = f["tensor_model_parallel_size"], f["pipeline_model_parallel_size"]
     vpp = f.get("virtual_pipeline_model_parallel_size") or 1
-    dp = world_size // (tp * pp)
+    cp = f.get("context_parallel_size") or 1
+    dp = world_size // (tp * pp * cp)
     b = f["micro_batch_size"]
     layout = layer_layout(f["num_layers"], pp, vpp, first=f.get("decoder_first_pipeline_num_layers"),
                           last=f.get("decoder_last_pipeline_num_layers"),
@@ -172,8 +177,8 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
     local = backend in ("unfused", "local") or (backend == "auto" and dropout > 0 and on_cpu)
     h = f["hidden_size"]
     return _Shape(
-        tp=tp, pp=pp, dp=dp, vpp=vpp, microbatches=f["global_batch_size"] // (b * dp),
-        b=b, s=f["seq_length"], h=h, a=f["num_attention_heads"],
+        tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, microbatches=f["global_batch_size"] // (b * dp),
+        b=b, s=f["seq_length"] // cp, seq=f["seq_length"], h=h, a=f["num_attention_heads"],
         f=f.get("ffn_hidden_size") or 4 * h,
         vocab=padded_vocab_size(vocab_size, tp, f.get("make_vocab_size_divisible_by", 128)),
         layers=list(layout), sp=bool(f.get("sequence_parallel")) and tp > 1,
@@ -216,7 +221,7 @@ def _chunk_params(x: _Shape, vs: int) -> list[tuple[int, bool]]:
     if first or (last and x.tied):
         groups.append((x.vocab // x.tp * x.h, True))  # word embeddings (or the replica)
     if first:
-        groups.append((x.s * x.h, False))  # positions
+        groups.append((x.seq * x.h, False))  # positions
     if last:
         groups.append((2 * x.h, False))  # final LayerNorm
         if not x.tied:
@@ -361,11 +366,11 @@ def _stage(x: _Shape, stage: int, data_bytes: int) -> Breakdown:
         from .. import _C  # noqa: F401  (registers torch.ops.mapp)
 
         lossy = sum(n for n, tp_sharded in groups if tp_sharded or x.tp == 1)
-        shapes = torch.ops.mapp.codec_state_shapes(x.codec, lossy, x.dp, [])
+        shapes = torch.ops.mapp.codec_state_shapes(x.codec, lossy, x.dp * x.cp, [])
         comm = 4 * sum(int(v) for v in shapes)
-    if x.zero:
-        shard = -(-n_params // x.dp)
-        grads = shard * x.dp * x.grad + shard * 4  # padded buckets, the reduce-scatter shard
+    if x.zero:  # gradients are reduced (and ZeRO-1 shards) over dp x cp
+        shard = -(-n_params // (x.dp * x.cp))
+        grads = shard * x.dp * x.cp * x.grad + shard * 4  # padded buckets, the reduce-scatter shard
         optimizer = shard * (4 + 8)  # fp32 master + Adam moments, this rank's part
     else:
         optimizer = n_params * (8 + (4 if x.mixed else 0))
