@@ -9,6 +9,10 @@
 2. Strong-scales both models by data parallelism to 1,024-8,192 GPUs and
    compares Megatron-LM's schedule (1F1B / interleaved 1F1B, bf16 gradients,
    overlapped reduction) with ours (ZB-H1, int8 error-feedback gradients).
+3. A bandwidth-limited cluster: the gradient codec decides.
+4. Context parallelism on GPT-3 175B at 16K / 32K tokens against TP-only with
+   the recomputation it needs to fit (Megatron-Core's context-parallel guide:
+   1.25x for TP8CP2 at 16K, 1.20x for TP8CP4 at 32K).
 
 All numbers are model outputs (see docs/performance.md for the inputs).
 """
@@ -152,6 +156,26 @@ def main():
                    f"{ours['onebit']['dp_exposed_s']:.2f} | "
                    f"{ours['int8']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x | "
                    f"{ours['onebit']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x |")
+    # 4. Context parallelism against full recomputation (Megatron-Core's guide).
+    h100 = dc.replace(sm.H100_EOS, gemm_efficiency=hw.gemm_efficiency)
+    out.append("")
+    out.append("### Context parallelism: GPT-3 175B at long sequences, 512 H100 "
+               "(TP8 x PP8, SP, 16 microbatches per pipeline; matmul efficiency as calibrated)\n")
+    out.append("TP-only takes the least recomputation that fits 80 GB; each CP layout the "
+               "same GPUs with dp / cp.\n")
+    out.append("| sequence | layout | recompute | memory GB | tokens/s | vs TP8CP1 | published |")
+    out.append("|---|---|---|---|---|---|---|")
+    for seq, published in ((16384, {2: "1.25x"}), (32768, {4: "1.20x"})):
+        base = sm.least_recompute(dc.replace(sm.GPT3_175B_LONG_512, seq_length=seq), h100)
+        ref = sm.tokens_per_s(base, h100)
+        rows = [("TP8CP1", base)] + [(f"TP8CP{c} {comm}", sm.context_parallel(base, c, h100, comm))
+                                     for c in (2, 4, 8) for comm in ("p2p", "a2a")]
+        for name, job in rows:
+            tps = sm.tokens_per_s(job, h100)
+            mem = sm.memory_per_gpu(job, h100)["total"] / 1e9
+            out.append(f"| {seq // 1024}K | {name} | {job.recompute or 'none'} | {mem:.0f} | "
+                       f"{tps:,.0f} | {tps / ref:.2f}x | "
+                       f"{published.get(job.cp, '') if 'p2p' in name else ''} |")
     text = "\n".join(out) + "\n"
     print(text, end="")
     if a.markdown:

@@ -28,7 +28,15 @@ Terms (per microbatch, per pipeline stage, per GPU of the tensor group):
   onebit ~ 0.14 bytes); overlapped with the last backward passes when
   ``overlap_dp`` is set;
 * optimizer: ``optimizer_bytes`` per parameter of this GPU's shard (distributed
-  optimizer: the parameters of the stage divided over d) at HBM bandwidth.
+  optimizer: the parameters of the stage divided over d) at HBM bandwidth;
+* context parallelism (``cp``): every term above sees ``s / cp`` tokens of a
+  sequence (core attention: ``s / cp`` queries against all ``s`` keys, balanced
+  by the zigzag split); the ring (p2p) passes K and V (``2 s/cp b kv/t``
+  elements) ``cp - 1`` times per layer, each step hidden behind that step's
+  block of attention (backward: dK and dV as well, against twice the compute);
+  Ulysses (a2a) moves q, k, v and the output across the cp group, 4 all-to-alls
+  per pass that nothing hides; gradients are reduced, and ZeRO-1 shards, over
+  ``d x cp`` ranks. :func:`memory_per_gpu` says which recomputation fits.
 
 ``calibrate`` fits ``gemm_efficiency`` so that one published run is reproduced;
 the others are then predictions. Inputs and anchors are documented in
@@ -55,6 +63,7 @@ class Hardware:
     inter_latency: float  #: seconds per message / ring step between nodes
     gemm_efficiency: float = 0.8  #: achieved fraction of peak in matmuls (calibrated)
     memory_passes: float = 2.0  #: activation bytes read+written per element-wise pass
+    memory_bytes: float = 80e9  #: HBM capacity per GPU
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class Job:
     grad_bytes: float = 2.0  #: bytes per gradient element on the data-parallel wire
     overlap_dp: bool = False  #: reduce gradients during the last backward passes
     optimizer_bytes: float = 36.0  #: Adam with fp32 master weights, moved per step
+    cp: int = 1  #: context-parallel size (the sequence split over cp GPUs)
+    cp_comm_type: str = "p2p"  #: p2p (ring attention) or a2a (Ulysses)
+    num_query_groups: int | None = None  #: K/V heads (GQA; default: the attention heads)
     # ---- mixture of experts and attention variants (defaults: a dense GPT) ----
     num_experts: int | None = None  #: routed experts per MoE layer
     moe_topk: int = 2
@@ -107,7 +119,7 @@ class Job:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def ffn(self) -> int:
@@ -215,12 +227,13 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     backward-weight seconds (recomputation counted in backward-input), the
     point-to-point message time, and the output layer's extra time on the last
     stage."""
-    b, s, h, f, a, t = (job.micro_batch_size, job.seq_length, job.hidden_size, job.ffn,
-                        job.num_attention_heads, job.tp)
+    b, seq, h, f, a, t = (job.micro_batch_size, job.seq_length, job.hidden_size, job.ffn,
+                          job.num_attention_heads, job.tp)
+    s = seq / job.cp  # this GPU's tokens of each sequence
     layers_per_chunk = job.num_layers / (job.pp * job.vpp)
     rate = hw.peak_flops * hw.gemm_efficiency
     weight_flops = 2 * b * s * (4 * h * h + 2 * h * f) / t
-    attn_flops = 4 * b * s * s * h / t
+    attn_flops = 4 * b * s * seq * h / t
     a2a = 0.0
     if job.per_token_terms:  # per-token terms, averaged over the layers (MoE or dense)
         terms, n = job.layer_terms(), job.num_layers
@@ -238,12 +251,13 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     # parallelism; 5 a s^2 b / t is core attention (softmax, dropout).
     scale = job.act_bytes / 2
     dense = s * b * h * (34 / t if job.sequence_parallel else 10 + 24 / t) * scale
-    core = 5 * a * s * s * b / t * scale
+    core = 5 * a * s * seq * b / t * scale
     mem = hw.memory_passes * (dense + core) / hw.hbm_bandwidth
     tp_ar = _ring_all_reduce(s * b * h * job.act_bytes, t, hw.intra_bus_bandwidth,
                              hw.intra_latency)
-    fwd_layer = weight_flops / matmul_rate + attn_flops / rate + mem + 2 * tp_ar
-    bi_layer = weight_flops / matmul_rate + 2 * attn_flops / rate + 2 * mem + 2 * tp_ar
+    cp_f, cp_b = _context_parallel_exposed(job, hw, b * s, attn_flops / rate)
+    fwd_layer = weight_flops / matmul_rate + attn_flops / rate + mem + 2 * tp_ar + cp_f
+    bi_layer = weight_flops / matmul_rate + 2 * attn_flops / rate + 2 * mem + 2 * tp_ar + cp_b
     w_layer = weight_flops / matmul_rate
     # The all-to-all of the MoE layers: what the layer's compute cannot hide.
     fwd_layer += max(0.0, a2a - job.a2a_overlap * fwd_layer)
@@ -257,12 +271,39 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     msg = s * b * h * job.act_bytes / t
     # Megatron's rank order (tp fastest, then dp, then pp): consecutive stages are
     # tp * dp ranks apart, on different nodes once that fills a node.
-    cross_node = t * job.dp >= hw.gpus_per_node
+    cross_node = t * job.cp * job.dp >= hw.gpus_per_node
     bw, lat = ((hw.inter_bandwidth, hw.inter_latency) if cross_node
                else (hw.intra_bus_bandwidth, hw.intra_latency))
     return {"forward": layers_per_chunk * fwd_layer, "backward_input": layers_per_chunk * bi_layer,
             "backward_weight": layers_per_chunk * w_layer, "p2p": lat + msg / bw,
             "head": {"forward": head_f, "backward_input": head_f, "backward_weight": head_f}}
+
+
+def _context_parallel_exposed(job: Job, hw: Hardware, tokens: float, attn_s: float):
+    """(forward, backward) seconds of one layer's context-parallel exchange
+    that compute does not hide, for `tokens` tokens of this GPU whose core
+    attention takes `attn_s` seconds forward. The cp ranks are tp apart
+    (Megatron's order tp, cp, dp, pp): inside a node while tp x cp fits."""
+    cp = job.cp
+    if cp == 1:
+        return 0.0, 0.0
+    intra = job.tp * cp <= hw.gpus_per_node
+    bw, lat = ((hw.intra_bus_bandwidth, hw.intra_latency) if intra
+               else (hw.inter_bandwidth, hw.inter_latency))
+    if job.cp_comm_type == "a2a":  # q, k, v in, the output back: nothing to overlap with
+        kv = (job.num_query_groups or job.num_attention_heads) / job.num_attention_heads
+        elems = tokens * job.hidden_size / job.tp * (2 + 2 * kv)
+        one = (cp - 1) / cp * elems * job.act_bytes / bw + (cp - 1) * lat
+        return one, one
+    if job.cp_comm_type != "p2p":
+        raise ValueError(f"Job.cp_comm_type must be 'p2p' or 'a2a', got {job.cp_comm_type!r}")
+    head_dim = job.hidden_size / job.num_attention_heads
+    kv_elems = 2 * tokens * (job.num_query_groups or job.num_attention_heads) * head_dim / job.tp
+    step = lat + kv_elems * job.act_bytes / bw
+    block = attn_s / cp  # the zigzag split gives every step the same work
+    fwd = (cp - 1) * max(0.0, step - block)
+    bwd = (cp - 1) * max(0.0, 2 * step - 2 * block)  # K, V and dK, dV; backward's 2x compute
+    return fwd, bwd
 
 
 def _moe_all_to_all(job: Job, hw: Hardware, tokens: float) -> float:
@@ -310,19 +351,20 @@ def predict(job: Job, hw: Hardware) -> dict:
     sched = _schedule(job, fwd, bi, bw, st["p2p"])
     sim = simulate(sched, fwd, bi, bw, st["p2p"])
     params_per_gpu = job.parameters() / (job.tp * job.pp)
-    dp_time = _ring_all_reduce(params_per_gpu * job.grad_bytes, job.dp, hw.inter_bandwidth,
+    dpc = job.dp * job.cp  # gradients are reduced (and ZeRO-1 shards) over dp x cp
+    dp_time = _ring_all_reduce(params_per_gpu * job.grad_bytes, dpc, hw.inter_bandwidth,
                                hw.inter_latency)
-    opt_params = params_per_gpu / job.dp
+    opt_params = params_per_gpu / dpc
     if job.num_experts:  # experts: 1/ep of them per GPU, reduced over dp / ep ranks
         dense_pg = job.dense_parameters() / (job.tp * job.pp)
         expert_pg = job.expert_parameters() / (job.tp * job.pp * job.ep)
-        edp = max(1, job.dp // job.ep)
+        edp = max(1, dpc // job.ep)
         params_per_gpu = dense_pg + expert_pg
-        dp_time = (_ring_all_reduce(dense_pg * job.grad_bytes, job.dp, hw.inter_bandwidth,
+        dp_time = (_ring_all_reduce(dense_pg * job.grad_bytes, dpc, hw.inter_bandwidth,
                                     hw.inter_latency)
                    + _ring_all_reduce(expert_pg * job.grad_bytes, edp, hw.inter_bandwidth,
                                       hw.inter_latency))
-        opt_params = dense_pg / job.dp + expert_pg / edp
+        opt_params = dense_pg / dpc + expert_pg / edp
     exposed_dp = dp_time
     if job.overlap_dp:  # buckets start during the last backward passes of each chunk
         window = v * (st["backward_input"] + st["backward_weight"])
@@ -342,6 +384,42 @@ def predict(job: Job, hw: Hardware) -> dict:
             # live activations at the peak, in layers' worth of one microbatch
             "peak_activation_layers": max(sim.peak_activations) * job.num_layers / (p * v),
             "peak_activation_chunks": max(sim.peak_activations)}
+
+
+def memory_per_gpu(job: Job, hw: Hardware) -> dict:
+    """Bytes one GPU of the first pipeline stage holds at its peak: bf16
+    weights, fp32 main gradients, the distributed optimizer's fp32 master
+    weights and Adam moments (over dp x cp), and the activations the schedule
+    keeps in flight. Per layer and microbatch, with flash attention (no s^2
+    scores) and ``s / cp`` tokens (Korthikanti et al. 2022): ``s b h (10 +
+    24/t)`` bytes, ``34 s b h / t`` with sequence parallelism; full
+    recomputation keeps only each layer's input (``2 s b h``, ``/t`` with
+    sequence parallelism) plus one layer's activations while it runs
+    backward."""
+    s = job.seq_length / job.cp
+    b, h, t = job.micro_batch_size, job.hidden_size, job.tp
+    scale = job.act_bytes / 2
+    layer = s * b * h * (34 / t if job.sequence_parallel else 10 + 24 / t) * scale
+    if job.num_experts:
+        params = (job.dense_parameters() / (t * job.pp)
+                  + job.expert_parameters() / (t * job.pp * job.ep))
+    else:
+        params = job.parameters() / (t * job.pp)
+    states = params * (2 + 4) + params * 12 / (job.dp * job.cp)
+    in_flight = predict(job, hw)["peak_activation_layers"]
+    if job.recompute_granularity == "full":
+        kept = 2 * s * b * h * scale / (t if job.sequence_parallel else 1)
+        activations = in_flight * kept + layer
+    else:
+        activations = in_flight * layer
+    return {"states": states, "activations": activations, "total": states + activations,
+            "fits": states + activations <= hw.memory_bytes}
+
+
+def least_recompute(job: Job, hw: Hardware) -> Job:
+    """`job` with no recomputation if it fits `hw`'s memory, else full."""
+    none = dataclasses.replace(job, recompute=None)
+    return none if memory_per_gpu(none, hw)["fits"] else dataclasses.replace(job, recompute="full")
 
 
 def calibrate(job: Job, hw: Hardware, tflops_per_gpu: float) -> Hardware:
@@ -414,10 +492,33 @@ DEEPSEEK_V3_2048 = Job(num_layers=61, hidden_size=7168, num_attention_heads=128,
                        a2a_node_copies=4 * 7 / 8, a2a_overlap=1.0, balance_stages=True)
 
 
+#: GPT-3 175B at a long sequence (Megatron-Core's context-parallel guide
+#: compares TP+CP layouts of it with TP8CP1 under full recomputation at 16K
+#: and 32K, published 1.25x for TP8CP2 at 16K and 1.20x for TP8CP4 at 32K):
+#: 512 GPUs as TP8 x PP8 x DP8, sequence parallelism, 16 microbatches per
+#: pipeline. Use ``dataclasses.replace(job, seq_length=...)``.
+GPT3_175B_LONG_512 = Job(num_layers=96, hidden_size=12288, num_attention_heads=96,
+                         seq_length=16384, vocab_size=51200, tp=8, pp=8, dp=8,
+                         global_batch_size=128, sequence_parallel=True, overlap_dp=True)
+
+
+def context_parallel(job: Job, cp: int, hw: Hardware, comm: str = "p2p") -> Job:
+    """`job` with each sequence split over `cp` of its data-parallel ranks:
+    the same GPUs and microbatches per pipeline (the global batch shrinks by
+    cp), and the least recomputation that fits `hw`."""
+    if job.dp % cp:
+        raise ValueError(f"cp {cp} does not divide the job's data-parallel size {job.dp}")
+    return least_recompute(dataclasses.replace(job, cp=job.cp * cp, dp=job.dp // cp,
+                                               global_batch_size=job.global_batch_size // cp,
+                                               cp_comm_type=comm), hw)
+
+
+def tokens_per_s(job: Job, hw: Hardware) -> float:
+    return job.global_batch_size * job.seq_length / predict(job, hw)["iteration_s"]
+
+
 def gpu_hours_per_trillion_tokens(job: Job, hw: Hardware) -> float:
-    r = predict(job, hw)
-    tokens_per_s = job.global_batch_size * job.seq_length / r["iteration_s"]
-    return 1e12 / tokens_per_s * job.gpus / 3600
+    return 1e12 / tokens_per_s(job, hw) * job.gpus / 3600
 
 
 def gpus_for(job: Job, gpus: int) -> Job:
