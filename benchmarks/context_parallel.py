@@ -1,15 +1,15 @@
 """Context parallelism on CPU: activation memory per rank against sequence
 length, and tokens/s at a long sequence, ring (p2p) vs all-to-all vs cp = 1.
 
-    python benchmarks/context_parallel.py [--seq 4096] [--iters 4]
+    python benchmarks/context_parallel.py [--seq 4096] [--iters 4] [--world 4]
 
 1. Memory: the bytes autograd saves during one forward of a GPT microbatch on
    each rank (saved-tensor hooks: exactly the activations kept for backward),
    for sequence lengths 1K-16K at cp = 1, 2, 4 (4 ranks: cp x dp = 4); the
    longest sequence whose activations fit the budget that cp = 1 needs at 2K.
 2. Speed: the same GPT trained through pretrain's loop at --seq, global batch
-   4 sequences, on 4 ranks as dp = 4 (cp = 1), cp = 4 p2p and cp = 4 a2a (one
-   run each, round-robin --repeats); median step after the first, tokens/s,
+   4 sequences, on --world ranks as dp = world (cp = 1), cp = world p2p and
+   cp = world a2a (one run each, round-robin --repeats); median step after the first, tokens/s,
    and for the ring the share of its exchange time hidden behind compute:
    1 - (time waiting in cp_ring_wait) / (time the same exchanges take alone,
    measured in the same processes).
@@ -98,7 +98,7 @@ def _speed(rank, world, port, flags, seq, iters, out, d):
         from megatronapp.context_parallel import _exchange
         from megatronapp.parallel_state import create_parallel_state
 
-        st = create_parallel_state(context_parallel_size=4)
+        st = create_parallel_state(context_parallel_size=world)
         g = st.context_group
         cp = g.size()
         ranks = dist.get_process_group_ranks(g)
@@ -109,7 +109,7 @@ def _speed(rank, world, port, flags, seq, iters, out, d):
             _, reqs = _exchange(kv, g, ranks[(g.rank() + 1) % cp], ranks[(g.rank() - 1) % cp])
             for r in reqs:
                 r.wait()
-        layers, micro = 2, 4  # cp = 4: dp = 1, 4 microbatches per step
+        layers, micro = 2, 4  # cp = world: dp = 1, 4 microbatches per step
         alone = (time.perf_counter() - t0) * layers * micro * (iters - 1)
     args = build_parser().parse_args(MODEL + flags + [
         "--seq-length", str(seq), "--train-iters", str(iters), "--output-dir", d,
@@ -135,6 +135,8 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--world", type=int, default=4, choices=(2, 4),
+                   help="ranks of the speed runs (cp = world); 2 leaves each rank a core here")
     p.add_argument("--mem-seqs", default="1024,2048,4096,8192,16384")
     a = p.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -154,18 +156,19 @@ def main():
                for c in (1, 2, 4)}
     print(f"longest sequence within {budget / 2**20:.1f} MiB: " +
           ", ".join(f"cp={c}: {longest[c]}" for c in (1, 2, 4)))
-    configs = {"cp=1 (dp=4)": [], "cp=4 p2p": ["--context-parallel-size", "4", "--cp-comm-type",
-                                                "p2p"],
-               "cp=4 a2a": ["--context-parallel-size", "4", "--cp-comm-type", "a2a"]}
+    cp = str(a.world)
+    configs = {f"cp=1 (dp={cp})": [],
+               f"cp={cp} p2p": ["--context-parallel-size", cp, "--cp-comm-type", "p2p"],
+               f"cp={cp} a2a": ["--context-parallel-size", cp, "--cp-comm-type", "a2a"]}
     results = {k: [] for k in configs}
     for _ in range(a.repeats):
         for name, flags in configs.items():
             out = f"{tmp}/{len(results[name])}-{name.replace(' ', '_')}.json"
-            mp.spawn(_speed, args=(world, _port(), flags, a.seq, a.iters, out,
-                                   tempfile.mkdtemp()), nprocs=world)
+            mp.spawn(_speed, args=(a.world, _port(), flags, a.seq, a.iters, out,
+                                   tempfile.mkdtemp()), nprocs=a.world)
             results[name].append(json.load(open(out)))
     print(f"\nGPT (2 layers, hidden 128, 4 heads) at sequence {a.seq}, 4 sequences per step, "
-          f"4 ranks, median step of iterations 2..{a.iters}:")
+          f"{a.world} ranks, median step of iterations 2..{a.iters}:")
     base = None
     for name, rs in results.items():
         step = statistics.median(r["step_s"] for r in rs)

@@ -150,11 +150,14 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=lse.dtype)
         kv = (k, v)
-        dkv = (torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype))
+        incoming = dreqs = None  # the visiting block's dK/dV so far, on its way here
         for step in range(cp):
             reqs = None
             if step + 1 < cp:
                 nxt_kv, reqs = _exchange(kv, group, nxt, prv)
+            # This step's contribution to the visiting block's dK/dV goes into
+            # a fresh accumulator while the sums of the ranks before us arrive.
+            dkv = (torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype))
             with _trace.scope("cp_ring_step_backward", "compute", lane=0):
                 for qs, ks, causal in _step_blocks(step, rank, cp, s):
                     a, b, c = torch.ops.mapp.attn_block_bwd(
@@ -163,15 +166,18 @@ class _RingAttention(torch.autograd.Function):
                     dq[..., qs, :] += a
                     dkv[0][..., ks, :] += b
                     dkv[1][..., ks, :] += c
-            # This block's dK/dV accumulator follows the block round the ring
-            # (after the last step, home to its owner).
-            nxt_dkv, dreqs = _exchange(dkv, group, nxt, prv)
-            _wait(dreqs, prv)
-            dkv = tuple(nxt_dkv)
+            if dreqs is not None:
+                _wait(dreqs, prv)
+                dkv[0].add_(incoming[0])
+                dkv[1].add_(incoming[1])
+            # The accumulator follows its block round the ring (after the last
+            # step, home to its owner), hidden behind the next step's blocks.
+            incoming, dreqs = _exchange(dkv, group, nxt, prv)
             if reqs is not None:
                 _wait(reqs, prv)
                 kv = tuple(nxt_kv)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        _wait(dreqs, prv)  # our own block's dK/dV, summed over every rank
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None
 
 
 def ring_attention(q, k, v, group) -> torch.Tensor:
