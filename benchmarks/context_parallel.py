@@ -177,7 +177,8 @@ def main():
         alone = sum(r["alone_s"] for r in rs)
         if alone > 0:
             hidden = max(0.0, 1.0 - sum(r["wait_s"] for r in rs) / alone)
-            extra = f", ring exchanges {100 * hidden:.0f}% hidden behind compute"
+            each = "/".join(f"{100 * max(0.0, 1 - r['wait_s'] / r['alone_s']):.0f}" for r in rs)
+            extra = f", ring exchanges {100 * hidden:.0f}% hidden behind compute (runs: {each}%)"
         print(f"  {name:<12} {step:7.3f} s/step  {4 * a.seq / step:9.0f} tokens/s  "
               f"{base / step:5.2f}x cp=1{extra}")
 
