@@ -1,0 +1,107 @@
+"""Process groups started from C++ (mapp::dist::init_from_env) on real
+processes: every group's membership equals Python's RankGrid, a sum over
+each group through the mapp operators equals the closed form, and bad
+launches are clear errors."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from dist_harness import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_dist_check")
+
+
+def _launch(world, sizes, env_extra=None, timeout=120):
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
+        procs.append(subprocess.Popen([EXE, *map(str, sizes)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *o) for p, o in zip(procs, outs, strict=True)]
+
+
+def _expected(world, tp, pp, cp, ep):
+    from megatronapp import RankGrid
+
+    g = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep)
+
+    def of(groups, r):
+        return next(list(x) for x in groups if r in x)
+
+    out = {}
+    for r in range(world):
+        emb = list(g.embedding_group(r))
+        out[r] = {"world": list(range(world)), "tp": of(g.groups(["tp"]), r),
+                  "pp": of(g.groups(["pp"]), r), "dp": of(g.groups(["dp"]), r),
+                  "cp": of(g.groups(["cp"]), r), "dp_cp": of(g.groups(["dp", "cp"]), r),
+                  "mp": of(g.groups(["tp", "pp"]), r), "ep": list(g.expert_group(r)),
+                  "edp": list(g.expert_data_group(r))}
+        if r in emb:
+            out[r]["embd"] = emb
+    return out
+
+
+def test_the_executable_was_built():
+    assert os.access(EXE, os.X_OK), f"{EXE} missing: make build (needs libgloo-dev)"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sizes", [(2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 1, 2), (1, 4, 1, 1)])
+def test_groups_match_python_and_sums_are_exact(sizes):
+    world = 4
+    results = _launch(world, sizes)
+    want = _expected(world, *sizes)
+    for r, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["rank"] == r
+        assert set(got["groups"]) == set(want[r]), (got["groups"].keys(), want[r].keys())
+        for kind, ranks in want[r].items():
+            g = got["groups"][kind]
+            assert g["ranks"] == ranks, (r, kind, g, ranks)
+            assert g["size"] == len(ranks) and g["me"] == ranks.index(r)
+            assert g["sum"] == sum(ranks), (r, kind, g)
+        assert got["coord"] == list(_coord(world, sizes, r))
+
+
+def _coord(world, sizes, r):
+    from megatronapp import RankGrid
+
+    c = RankGrid(world, tp=sizes[0], pp=sizes[1], cp=sizes[2], ep=sizes[3]).coord(r)
+    return c.tp, c.cp, c.dp, c.pp
+
+
+@pytest.mark.timeout(120)
+def test_a_world_the_sizes_do_not_divide_is_refused_on_every_rank():
+    for code, _, err in _launch(4, (3, 1, 1, 1)):
+        assert code == 1 and "world size 4 is not divisible by tensor(3)" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_missing_launcher_variables_are_named():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID")}
+    p = subprocess.run([EXE, "1", "1", "1", "1"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "RANK and WORLD_SIZE" in p.stderr, p.stderr
+    env2 = dict(env, RANK="0", WORLD_SIZE="2")
+    p = subprocess.run([EXE, "1", "1", "1", "1"], env=env2, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "MASTER_ADDR" in p.stderr, p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_comes_is_a_timeout_naming_the_rendezvous():
+    port = free_port()
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    p = subprocess.run([EXE, "1", "1", "1", "1", "3"], env=env, capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 1 and "rendezvous at 127.0.0.1" in p.stderr, p.stderr
