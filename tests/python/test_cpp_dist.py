@@ -1,7 +1,9 @@
-"""Process groups started from C++ (mapp::dist::init_from_env) on real
-processes: every group's membership equals Python's RankGrid, a sum over
-each group through the mapp operators equals the closed form, and bad
-launches are clear errors."""
+"""C++ trainers' building blocks on real processes: process groups started
+from C++ (mapp::dist::init_from_env) have Python's RankGrid membership and
+sum exactly through the mapp operators, bad launches are clear errors; the
+C++ tensor-parallel layers (mapp::nn) match a float64 single-process
+reference forward and backward and hold the same weights as the Python
+modules for the same seed."""
 
 import json
 import os
@@ -13,15 +15,16 @@ from dist_harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_dist_check")
+TP_EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_tp_check")
 
 
-def _launch(world, sizes, env_extra=None, timeout=120):
+def _launch(world, sizes, env_extra=None, timeout=120, exe=EXE):
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
-        procs.append(subprocess.Popen([EXE, *map(str, sizes)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([exe, *map(str, sizes)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=timeout) for p in procs]
     return [(p.returncode, *o) for p, o in zip(procs, outs, strict=True)]
@@ -48,8 +51,9 @@ def _expected(world, tp, pp, cp, ep):
     return out
 
 
-def test_the_executable_was_built():
-    assert os.access(EXE, os.X_OK), f"{EXE} missing: make build (needs libgloo-dev)"
+def test_the_executables_were_built():
+    for exe in (EXE, TP_EXE):
+        assert os.access(exe, os.X_OK), f"{exe} missing: make build (needs libgloo-dev)"
 
 
 @pytest.mark.timeout(300)
@@ -105,3 +109,41 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_the_rendezvous():
     p = subprocess.run([EXE, "1", "1", "1", "1", "3"], env=env, capture_output=True, text=True,
                        timeout=100)
     assert p.returncode == 1 and "rendezvous at 127.0.0.1" in p.stderr, p.stderr
+
+
+def _python_weights(rank, world, seed):
+    """The Python modules built in the C++ check's order at tp = 1: full weights."""
+    import torch
+    from megatronapp import initialize_model_parallel
+    from megatronapp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    emb = VocabParallelEmbedding(64, 16)
+    fc1 = ColumnParallelLinear(16, 32)
+    fc2 = RowParallelLinear(32, 16)
+    head = ColumnParallelLinear(16, 64, bias=False)
+    return {"emb": (emb.weight, 0), "fc1.w": (fc1.weight, 0), "fc1.b": (fc1.bias, 0),
+            "fc2.w": (fc2.weight, 1), "fc2.b": (fc2.bias, None), "head.w": (head.weight, 0)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp", [0, 1])
+def test_cpp_tensor_parallel_layers_match_the_reference_and_python(sp):
+    import torch
+    from dist_harness import run_ranks
+
+    seed, tp = 1234, 2
+    results = _launch(tp, (tp, sp, seed), exe=TP_EXE)
+    python = run_ranks(_python_weights, 1, seed)[0]
+    losses = set()
+    for r, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["loss_err"] < 1e-5 and got["grad_err"] < 1e-5, got  # float32 vs float64
+        losses.add(got["loss"])
+        for name, (full, dim) in python.items():
+            want = full.detach() if dim is None else full.detach().chunk(tp, dim)[r]
+            have = torch.tensor(got["weights"][name], dtype=torch.float32)
+            assert torch.equal(have, want.flatten()), (name, r)  # bit-identical
+    assert len(losses) == 1  # every tensor rank computed the same loss

@@ -1,0 +1,137 @@
+// Tensor-parallel layers for C++ trainers, as torch::nn::Modules with the
+// weight layouts, initialization and communication of the Python modules
+// (megatronapp.tensor_parallel): for the same seed a C++ rank holds the same
+// weight shard as the Python rank in its place, and computes the same thing.
+//
+//   auto st = mapp::dist::init_from_env({.tp = 2});
+//   torch::manual_seed(1234);                       // same seed on every rank
+//   mapp::nn::ColumnParallelLinear fc1(mapp::nn::ColumnParallelLinearOptions(64, 256), st);
+//   mapp::nn::RowParallelLinear fc2(mapp::nn::RowParallelLinearOptions(256, 64), st);
+//   at::Tensor y = fc2(at::gelu(fc1(x)));          // one all-reduce forward, one backward
+//
+// Weights are drawn whole (the master tensor, float32, from the global CPU
+// generator) and sliced, so the model is the same function at every tp.
+// Communication runs through the mapp operators on the state's registered
+// tensor group, as torch::autograd::Functions (forward / backward pairs of
+// Megatron's mappings: copy / all-reduce, gather / split, and with sequence
+// parallelism all-gather / reduce-scatter along dim 0).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "mapp/torch/dist.h"
+
+namespace mapp::nn {
+
+// ---- tensor-parallel mappings (autograd) -----------------------------------------------
+// forward identity, backward all-reduce (the input of a column-parallel layer)
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const std::string& group);
+// forward all-reduce, backward identity (the output of a row-parallel layer)
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const std::string& group);
+// forward all-gather of the last dim, backward this rank's slice
+at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const std::string& group);
+// forward this rank's slice of the last dim, backward all-gather
+at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, const std::string& group);
+// forward all-gather of dim 0 (sequence), backward reduce-scatter
+at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group);
+// forward reduce-scatter of dim 0, backward all-gather
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group);
+
+// The full tensor of `shape` initialized by `init` (float32, global CPU
+// generator), then this tensor rank's chunk along `partition_dim` (-1: the
+// whole tensor), as a parameter of `dtype`.
+using InitMethod = std::function<void(at::Tensor&)>;
+at::Tensor sharded_parameter(at::IntArrayRef shape, int partition_dim, int tp_size, int tp_rank,
+                             const InitMethod& init, at::ScalarType dtype = at::kFloat);
+
+// nn.Linear's initialization: kaiming_uniform(a = sqrt(5)) weights, and
+// uniform(+-1/sqrt(fan_in)) biases.
+void linear_weight_init(at::Tensor& weight);
+InitMethod linear_bias_init(std::int64_t fan_in);
+
+struct ColumnParallelLinearOptions {
+  ColumnParallelLinearOptions(std::int64_t in, std::int64_t out)
+      : in_features_(in), out_features_(out) {}
+  TORCH_ARG(std::int64_t, in_features);
+  TORCH_ARG(std::int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, gather_output) = false;
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+};
+
+// Y = X A^T + b with A split by rows (output features): weight [out/tp, in],
+// bias [out/tp]; the output is this rank's slice of the last dim (or the
+// whole of it with gather_output). Sequence parallel: X is [s/tp, b, in].
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options,
+                           const dist::ParallelState& state);
+  at::Tensor forward(const at::Tensor& x);
+  ColumnParallelLinearOptions options;
+  std::string group;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelLinearOptions {
+  RowParallelLinearOptions(std::int64_t in, std::int64_t out)
+      : in_features_(in), out_features_(out) {}
+  TORCH_ARG(std::int64_t, in_features);
+  TORCH_ARG(std::int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, input_is_parallel) = true;
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+};
+
+// Y = X A^T + b with A split by columns (input features): weight [out, in/tp],
+// bias [out] added once after the all-reduce (reduce-scatter along dim 0
+// under sequence parallelism).
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(const RowParallelLinearOptions& options, const dist::ParallelState& state);
+  at::Tensor forward(const at::Tensor& x);
+  RowParallelLinearOptions options;
+  std::string group;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(RowParallelLinear);
+
+struct VocabParallelEmbeddingOptions {
+  VocabParallelEmbeddingOptions(std::int64_t num, std::int64_t dim)
+      : num_embeddings_(num), embedding_dim_(dim) {}
+  TORCH_ARG(std::int64_t, num_embeddings);
+  TORCH_ARG(std::int64_t, embedding_dim);
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+};
+
+// The embedding table split by rows (vocabulary): weight [V/tp, D], rows
+// [r V/tp, (r+1) V/tp) on tensor rank r, normal(0, 1) initialized. Ids
+// outside [0, V) are an error.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(const VocabParallelEmbeddingOptions& options,
+                             const dist::ParallelState& state);
+  at::Tensor forward(const at::Tensor& ids);
+  VocabParallelEmbeddingOptions options;
+  std::string group;
+  std::int64_t vocab_start = 0, vocab_end = 0;
+  at::Tensor weight;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Per-token cross-entropy of logits sharded on the last dim ([..., V/tp];
+// target [...] holds global ids): float32 [...], 0 (and no gradient) where
+// target == ignore_index. One all-gather of 3 floats per token.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const std::string& group, std::int64_t ignore_index = -100);
+
+}  // namespace mapp::nn

@@ -1,0 +1,269 @@
+// mapp::nn: tensor-parallel layers for C++ trainers (include/mapp/torch/nn.h).
+#include "mapp/torch/nn.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "mapp/common/check.h"
+#include "mapp/torch/ops.h"
+
+namespace mapp::nn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::string group_of(AutogradContext* ctx) { return ctx->saved_data["group"].toStringRef(); }
+
+at::Tensor all_reduce(const at::Tensor& x, const std::string& group) {
+  at::Tensor y = x.contiguous().clone();
+  torch_ext::all_reduce_sum_(y, group);
+  return y;
+}
+
+at::Tensor last_dim_slice(const at::Tensor& x, const std::string& group) {
+  const std::int64_t world = torch_ext::group_size(group);
+  MAPP_CHECK(x.size(-1) % world == 0, "the last dim (", x.size(-1),
+             ") is not divisible by the tensor-parallel size ", world);
+  return x.chunk(world, -1)[torch_ext::group_rank(group)].contiguous();
+}
+
+struct CopyToTP : torch::autograd::Function<CopyToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+    ctx->saved_data["group"] = group;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {all_reduce(g[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, const std::string& group) {
+    return all_reduce(x, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
+};
+
+struct GatherFromTP : torch::autograd::Function<GatherFromTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+    ctx->saved_data["group"] = group;
+    return torch_ext::all_gather(x.contiguous(), x.dim() - 1, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {last_dim_slice(g[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ScatterToTP : torch::autograd::Function<ScatterToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+    ctx->saved_data["group"] = group;
+    return last_dim_slice(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {torch_ext::all_gather(g[0].contiguous(), g[0].dim() - 1, group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct GatherFromSP : torch::autograd::Function<GatherFromSP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+    ctx->saved_data["group"] = group;
+    return torch_ext::all_gather(x.contiguous(), 0, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {torch_ext::reduce_scatter_sum(g[0].contiguous(), 0, group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSP : torch::autograd::Function<ReduceScatterToSP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+    ctx->saved_data["group"] = group;
+    return torch_ext::reduce_scatter_sum(x.contiguous(), 0, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {torch_ext::all_gather(g[0].contiguous(), 0, group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& target, const std::string& group,
+                            std::int64_t ignore_index) {
+    const std::int64_t world = torch_ext::group_size(group);
+    const std::int64_t vocab_local = logits.size(-1);
+    const std::int64_t vocab_start = torch_ext::group_rank(group) * vocab_local;
+    const std::int64_t vocab = vocab_local * world;
+    const at::Tensor ignored = target.eq(ignore_index);
+    const at::Tensor bad =
+        ignored.logical_not().logical_and(target.lt(0).logical_or(target.ge(vocab)));
+    MAPP_CHECK(!bad.any().item<bool>(), "vocab_parallel_cross_entropy: target ids must lie in [0, ",
+               vocab, ") (or equal ignore_index=", ignore_index, ")");
+    at::Tensor stats = torch_ext::vocab_ce_local_stats(logits, target, vocab_start).unsqueeze(0);
+    if (world > 1) stats = torch_ext::all_gather(stats.contiguous(), 0, group);
+    const auto parts = stats.unbind(-1);  // max, sum exp, target logit: each [world, rows...]
+    const at::Tensor row_max = std::get<0>(parts[0].max(0));
+    const at::Tensor lse = row_max + at::log((parts[1] * at::exp(parts[0] - row_max)).sum(0));
+    const at::Tensor loss = (lse - parts[2].sum(0)).masked_fill(ignored, 0.0);
+    ctx->save_for_backward({logits, target, lse, ignored});
+    ctx->saved_data["vocab_start"] = vocab_start;
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &target = saved[1], &lse = saved[2], &ignored = saved[3];
+    const std::int64_t v = logits.size(-1);
+    at::Tensor grad = at::exp(logits.to(at::kFloat) - lse.unsqueeze(-1));
+    const at::Tensor local = target - ctx->saved_data["vocab_start"].toInt();
+    const at::Tensor inside =
+        local.ge(0).logical_and(local.lt(v)).logical_and(ignored.logical_not());
+    at::Tensor one_hot = at::zeros_like(grad);
+    one_hot.scatter_(-1, local.clamp(0, v - 1).unsqueeze(-1),
+                     inside.unsqueeze(-1).to(grad.scalar_type()));
+    grad = (grad - one_hot) * g[0].masked_fill(ignored, 0.0).unsqueeze(-1);
+    return {grad.to(logits.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::int64_t divide(std::int64_t n, std::int64_t d, const char* what) {
+  MAPP_CHECK(n % d == 0, what, " (", n, ") is not divisible by the tensor-parallel size ", d);
+  return n / d;
+}
+
+}  // namespace
+
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : CopyToTP::apply(x, group);
+}
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : ReduceFromTP::apply(x, group);
+}
+at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : GatherFromTP::apply(x, group);
+}
+at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : ScatterToTP::apply(x, group);
+}
+at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : GatherFromSP::apply(x, group);
+}
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : ReduceScatterToSP::apply(x, group);
+}
+
+at::Tensor sharded_parameter(at::IntArrayRef shape, int partition_dim, int tp_size, int tp_rank,
+                             const InitMethod& init, at::ScalarType dtype) {
+  at::Tensor full = at::empty(shape, at::kFloat);
+  {
+    at::NoGradGuard no_grad;
+    init(full);
+  }
+  if (partition_dim >= 0) {
+    MAPP_CHECK(full.size(partition_dim) % tp_size == 0, "a parameter of shape ", full.sizes(),
+               " cannot be split ", tp_size, " ways along dim ", partition_dim);
+    full = full.chunk(tp_size, partition_dim)[tp_rank].clone(at::MemoryFormat::Contiguous);
+  }
+  return full.to(dtype);
+}
+
+void linear_weight_init(at::Tensor& weight) {
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));  // as torch.nn.Linear
+}
+
+InitMethod linear_bias_init(std::int64_t fan_in) {
+  const double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
+  return [bound](at::Tensor& b) { b.uniform_(-bound, bound); };
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOptions& o,
+                                                   const dist::ParallelState& state)
+    : options(o), group(state.tensor_group()) {
+  MAPP_CHECK(!(o.gather_output() && o.sequence_parallel()),
+             "ColumnParallelLinear: gather_output cannot be combined with sequence_parallel "
+             "(the next layer expects a sequence shard)");
+  divide(o.out_features(), state.tp_size(), "ColumnParallelLinear out_features");
+  weight = register_parameter(
+      "weight", sharded_parameter({o.out_features(), o.in_features()}, 0, state.tp_size(),
+                                  state.tp_rank(), linear_weight_init, o.dtype()));
+  if (o.bias())
+    bias = register_parameter(
+        "bias", sharded_parameter({o.out_features()}, 0, state.tp_size(), state.tp_rank(),
+                                  linear_bias_init(o.in_features()), o.dtype()));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  const at::Tensor in = options.sequence_parallel() ? gather_from_sequence_parallel(x, group)
+                                                    : copy_to_tensor_parallel(x, group);
+  at::Tensor y =
+      at::linear(in, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  return options.gather_output() ? gather_from_tensor_parallel(y, group) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& o,
+                                             const dist::ParallelState& state)
+    : options(o), group(state.tensor_group()) {
+  MAPP_CHECK(!o.sequence_parallel() || o.input_is_parallel(),
+             "RowParallelLinear: sequence_parallel needs input_is_parallel");
+  divide(o.in_features(), state.tp_size(), "RowParallelLinear in_features");
+  weight = register_parameter(
+      "weight", sharded_parameter({o.out_features(), o.in_features()}, 1, state.tp_size(),
+                                  state.tp_rank(), linear_weight_init, o.dtype()));
+  if (o.bias())
+    bias = register_parameter(
+        "bias", sharded_parameter({o.out_features()}, -1, state.tp_size(), state.tp_rank(),
+                                  linear_bias_init(o.in_features()), o.dtype()));
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  const at::Tensor in = options.input_is_parallel() ? x : scatter_to_tensor_parallel(x, group);
+  at::Tensor y = at::linear(in, weight);
+  y = options.sequence_parallel() ? reduce_scatter_to_sequence_parallel(y, group)
+                                  : reduce_from_tensor_parallel(y, group);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const VocabParallelEmbeddingOptions& o,
+                                                       const dist::ParallelState& state)
+    : options(o), group(state.tensor_group()) {
+  const std::int64_t per = divide(o.num_embeddings(), state.tp_size(),
+                                  "VocabParallelEmbedding num_embeddings (vocabulary size)");
+  vocab_start = state.tp_rank() * per;
+  vocab_end = vocab_start + per;
+  weight = register_parameter(
+      "weight", sharded_parameter(
+                    {o.num_embeddings(), o.embedding_dim()}, 0, state.tp_size(), state.tp_rank(),
+                    [](at::Tensor& w) { w.normal_(0.0, 1.0); }, o.dtype()));
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  if (ids.numel()) {
+    const auto [lo, hi] = at::aminmax(ids);
+    MAPP_CHECK(lo.item<std::int64_t>() >= 0 && hi.item<std::int64_t>() < options.num_embeddings(),
+               "VocabParallelEmbedding: token ids must lie in [0, ", options.num_embeddings(),
+               "), got values in [", lo.item<std::int64_t>(), ", ", hi.item<std::int64_t>(), "]");
+  }
+  at::Tensor out;
+  if (torch_ext::group_size(group) > 1) {
+    const at::Tensor outside = ids.lt(vocab_start).logical_or(ids.ge(vocab_end));
+    const at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
+    out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  } else {
+    out = at::embedding(weight, ids);
+  }
+  return options.sequence_parallel() ? reduce_scatter_to_sequence_parallel(out, group)
+                                     : reduce_from_tensor_parallel(out, group);
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const std::string& group, std::int64_t ignore_index) {
+  MAPP_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+             "vocab_parallel_cross_entropy: target shape ", target.sizes(),
+             " must equal logits shape without the vocabulary dim");
+  return VocabParallelCE::apply(logits, target, group, ignore_index);
+}
+
+}  // namespace mapp::nn
