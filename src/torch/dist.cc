@@ -97,6 +97,7 @@ LaunchEnv launch_env() {
              "where the rendezvous store listens");
   env.master_addr = *addr;
   if (auto port = get("MASTER_PORT")) env.master_port = to_int(*port, "MASTER_PORT");
+  env.agent_store = get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   MAPP_CHECK(env.world_size >= 1, "WORLD_SIZE must be >= 1, got ", env.world_size);
   MAPP_CHECK(env.rank >= 0 && env.rank < env.world_size, "RANK ", env.rank,
              " is outside the world of WORLD_SIZE ", env.world_size);
@@ -188,7 +189,7 @@ ParallelState init(const LaunchEnv& env, const InitOptions& options) {
 #else
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
+  so.isServer = env.rank == 0 && !env.agent_store;
   so.numWorkers = env.world_size;
   so.waitWorkers = true;
   so.timeout = options.timeout;

@@ -8,6 +8,7 @@ modules for the same seed."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +17,7 @@ from dist_harness import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_dist_check")
 TP_EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_tp_check")
+EXAMPLE = os.path.join(ROOT, "build", "py", "examples", "train_tp_mlp")
 
 
 def _launch(world, sizes, env_extra=None, timeout=120, exe=EXE):
@@ -52,7 +54,7 @@ def _expected(world, tp, pp, cp, ep):
 
 
 def test_the_executables_were_built():
-    for exe in (EXE, TP_EXE):
+    for exe in (EXE, TP_EXE, EXAMPLE):
         assert os.access(exe, os.X_OK), f"{exe} missing: make build (needs libgloo-dev)"
 
 
@@ -147,3 +149,16 @@ def test_cpp_tensor_parallel_layers_match_the_reference_and_python(sp):
             have = torch.tensor(got["weights"][name], dtype=torch.float32)
             assert torch.equal(have, want.flatten()), (name, r)  # bit-identical
     assert len(losses) == 1  # every tensor rank computed the same loss
+
+
+@pytest.mark.timeout(300)
+def test_the_cpp_example_trains_under_torchrun():
+    """examples/cpp/train_tp_mlp.cc, TP2 x DP2, launched as the README says."""
+    port = free_port()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "4",
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), EXAMPLE, "2",
+                        "100"], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    losses = [float(line.split()[-1]) for line in p.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < 0.1 * losses[0], p.stdout
+    assert "failed to bind" not in p.stderr  # torchrun's agent serves the store

@@ -34,6 +34,9 @@ struct LaunchEnv {
   std::string master_addr;
   int master_port = 29500;
   std::string source;  // "torchrun" or "slurm"
+  // torchrun's agent already serves the store at MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
+  bool agent_store = false;
 };
 
 // Reads the launcher's variables; throws ValueError naming the missing or
