@@ -129,6 +129,14 @@ struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
   }
 };
 
+InitMethod weight_init(const InitMethod& custom) { return custom ? custom : linear_weight_init; }
+
+// nn.Linear's bias init by default; zeros when a custom weight init is given (as Python).
+InitMethod bias_init(const InitMethod& custom, std::int64_t fan_in) {
+  if (custom) return [](at::Tensor& b) { b.zero_(); };
+  return linear_bias_init(fan_in);
+}
+
 std::int64_t divide(std::int64_t n, std::int64_t d, const char* what) {
   MAPP_CHECK(n % d == 0, what, " (", n, ") is not divisible by the tensor-parallel size ", d);
   return n / d;
@@ -188,11 +196,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOpt
   divide(o.out_features(), state.tp_size(), "ColumnParallelLinear out_features");
   weight = register_parameter(
       "weight", sharded_parameter({o.out_features(), o.in_features()}, 0, state.tp_size(),
-                                  state.tp_rank(), linear_weight_init, o.dtype()));
+                                  state.tp_rank(), weight_init(o.init_method()), o.dtype()));
   if (o.bias())
     bias = register_parameter(
         "bias", sharded_parameter({o.out_features()}, 0, state.tp_size(), state.tp_rank(),
-                                  linear_bias_init(o.in_features()), o.dtype()));
+                                  bias_init(o.init_method(), o.in_features()), o.dtype()));
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -211,11 +219,11 @@ RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& o,
   divide(o.in_features(), state.tp_size(), "RowParallelLinear in_features");
   weight = register_parameter(
       "weight", sharded_parameter({o.out_features(), o.in_features()}, 1, state.tp_size(),
-                                  state.tp_rank(), linear_weight_init, o.dtype()));
+                                  state.tp_rank(), weight_init(o.init_method()), o.dtype()));
   if (o.bias())
     bias = register_parameter(
         "bias", sharded_parameter({o.out_features()}, -1, state.tp_size(), state.tp_rank(),
-                                  linear_bias_init(o.in_features()), o.dtype()));
+                                  bias_init(o.init_method(), o.in_features()), o.dtype()));
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
@@ -236,7 +244,8 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const VocabParallelEmbedd
   weight = register_parameter(
       "weight", sharded_parameter(
                     {o.num_embeddings(), o.embedding_dim()}, 0, state.tp_size(), state.tp_rank(),
-                    [](at::Tensor& w) { w.normal_(0.0, 1.0); }, o.dtype()));
+                    o.init_method() ? o.init_method() : [](at::Tensor& w) { w.normal_(0.0, 1.0); },
+                    o.dtype()));
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {

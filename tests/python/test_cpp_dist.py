@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dist_harness import free_port
+from dist_harness import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_dist_check")
@@ -133,7 +133,6 @@ def _python_weights(rank, world, seed):
 @pytest.mark.parametrize("sp", [0, 1])
 def test_cpp_tensor_parallel_layers_match_the_reference_and_python(sp):
     import torch
-    from dist_harness import run_ranks
 
     seed, tp = 1234, 2
     results = _launch(tp, (tp, sp, seed), exe=TP_EXE)
@@ -162,3 +161,46 @@ def test_the_cpp_example_trains_under_torchrun():
     losses = [float(line.split()[-1]) for line in p.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < 0.1 * losses[0], p.stdout
     assert "failed to bind" not in p.stderr  # torchrun's agent serves the store
+
+
+GPT_EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_gpt_check")
+
+
+def _python_gpt(rank, world, sp, seed):
+    import torch
+    from megatronapp import initialize_model_parallel
+    from megatronapp.models import GPTConfig, GPTModel
+
+    initialize_model_parallel(world, 1)
+    cfg = GPTConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
+                    seq_length=32, sequence_parallel=bool(sp))
+    model = GPTModel(cfg, seed=seed)
+    torch.manual_seed(seed + 1)
+    ids = torch.randint(0, 128, (2, 16))
+    labels = torch.randint(0, 128, (2, 16))
+    loss = model(ids, labels).mean()
+    loss.backward()
+    return float(loss), {n: (p.detach().clone(), p.grad.clone())
+                         for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,sp", [(1, 0), (2, 0), (2, 1)])
+def test_cpp_gpt_has_pythons_weights_loss_and_gradients(tp, sp):
+    import torch
+
+    seed = 4321
+    results = _launch(tp, (tp, sp, seed), exe=GPT_EXE)
+    python = run_ranks(_python_gpt, tp, sp, seed)
+    for r, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        loss, params = python[r]
+        assert abs(got["loss"] - loss) < 1e-6, (got["loss"], loss)
+        assert set(got["params"]) == set(params), (sorted(got["params"]), sorted(params))
+        for name, (value, grad) in params.items():
+            have = got["params"][name]
+            assert torch.equal(torch.tensor(have["value"], dtype=torch.float32),
+                               value.flatten()), name  # the same weights, bit for bit
+            g = torch.tensor(have["grad"], dtype=torch.float64)
+            assert torch.allclose(g, grad.double().flatten(), rtol=1e-4, atol=1e-7), name

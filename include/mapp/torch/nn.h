@@ -64,6 +64,8 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, gather_output) = false;
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+  // Replaces the default initialization of the (full) weight; biases are then zeros.
+  TORCH_ARG(InitMethod, init_method) = nullptr;
 };
 
 // Y = X A^T + b with A split by rows (output features): weight [out/tp, in],
@@ -89,6 +91,8 @@ struct RowParallelLinearOptions {
   TORCH_ARG(bool, input_is_parallel) = true;
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+  // Replaces the default initialization of the (full) weight; biases are then zeros.
+  TORCH_ARG(InitMethod, init_method) = nullptr;
 };
 
 // Y = X A^T + b with A split by columns (input features): weight [out, in/tp],
@@ -111,6 +115,8 @@ struct VocabParallelEmbeddingOptions {
   TORCH_ARG(std::int64_t, embedding_dim);
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
+  // Replaces the default initialization of the (full) weight; biases are then zeros.
+  TORCH_ARG(InitMethod, init_method) = nullptr;
 };
 
 // The embedding table split by rows (vocabulary): weight [V/tp, D], rows

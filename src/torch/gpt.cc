@@ -1,0 +1,194 @@
+// mapp::nn::GPTModel: megatronapp.models.GPTModel in C++ (include/mapp/torch/gpt.h).
+#include "mapp/torch/gpt.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "mapp/common/check.h"
+#include "mapp/torch/ops.h"
+
+namespace mapp::nn {
+namespace {
+
+InitMethod normal(double std) {
+  return [std](at::Tensor& t) { t.normal_(0.0, std); };
+}
+
+// Runs `body` with the global CPU generator seeded for `component` of a
+// model seeded with `base` (Python's _seeded: base * 1000003 + 7919 *
+// (component + 1) modulo 2^63 - 1), and restores the generator after.
+template <typename Body>
+void seeded(std::uint64_t base, std::int64_t component, Body&& body) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor saved;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved = gen.get_state();
+  }
+  const unsigned __int128 mod = (static_cast<unsigned __int128>(1) << 63) - 1;
+  const unsigned __int128 seed = (static_cast<unsigned __int128>(base) * 1000003u +
+                                  7919u * static_cast<unsigned __int128>(component + 1)) %
+                                 mod;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(static_cast<std::uint64_t>(seed));
+  }
+  body();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(saved);
+}
+
+// Sequence parallelism: this rank's slice of dim 0 (backward all-gathers it).
+struct ScatterToSP : torch::autograd::Function<ScatterToSP> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const std::string& group) {
+    ctx->saved_data["group"] = group;
+    const std::int64_t world = torch_ext::group_size(group);
+    MAPP_CHECK(x.size(0) % world == 0, "sequence length ", x.size(0),
+               " is not divisible by the tensor-parallel size ", world,
+               " (sequence parallelism shards it)");
+    return x.chunk(world, 0)[torch_ext::group_rank(group)].contiguous();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    return {torch_ext::all_gather(g[0].contiguous(), 0, ctx->saved_data["group"].toStringRef()),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void GPTConfig::check(int tp) const {
+  MAPP_CHECK(vocab_size > 0, "GPTConfig.vocab_size must be set (the padded vocabulary)");
+  MAPP_CHECK(hidden_size % num_attention_heads == 0, "hidden_size (", hidden_size,
+             ") is not divisible by num_attention_heads (", num_attention_heads, ")");
+  const std::int64_t ffn = ffn_hidden_size ? ffn_hidden_size : 4 * hidden_size;
+  for (const auto& [name, v] : {std::pair<const char*, std::int64_t>{"vocab_size", vocab_size},
+                                {"num_attention_heads", num_attention_heads},
+                                {"ffn_hidden_size", ffn}})
+    MAPP_CHECK(v % tp == 0, name, " (", v, ") is not divisible by the tensor-parallel size ", tp);
+}
+
+ParallelAttentionImpl::ParallelAttentionImpl(const GPTConfig& cfg, const dist::ParallelState& st,
+                                             double output_std)
+    : heads_local_(cfg.num_attention_heads / st.tp_size()),
+      head_dim_(cfg.hidden_size / cfg.num_attention_heads) {
+  const bool sp = cfg.sequence_parallel;
+  qkv = register_module(
+      "qkv", ColumnParallelLinear(ColumnParallelLinearOptions(cfg.hidden_size, 3 * cfg.hidden_size)
+                                      .sequence_parallel(sp)
+                                      .init_method(normal(cfg.init_method_std)),
+                                  st));
+  proj = register_module(
+      "proj", RowParallelLinear(RowParallelLinearOptions(cfg.hidden_size, cfg.hidden_size)
+                                    .sequence_parallel(sp)
+                                    .init_method(normal(output_std)),
+                                st));
+}
+
+at::Tensor ParallelAttentionImpl::forward(const at::Tensor& x) {
+  at::Tensor qkv_out = qkv(x);  // [s, b, heads_local * 3 * head_dim]
+  const std::int64_t s = qkv_out.size(0), b = qkv_out.size(1);
+  const auto parts = qkv_out.view({s, b, heads_local_, 3, head_dim_}).unbind(3);
+  // [b, heads, s, d] each
+  const at::Tensor q = parts[0].permute({1, 2, 0, 3}), k = parts[1].permute({1, 2, 0, 3}),
+                   v = parts[2].permute({1, 2, 0, 3});
+  at::Tensor ctx = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  ctx = ctx.permute({2, 0, 1, 3}).reshape({s, b, heads_local_ * head_dim_});
+  return proj(ctx);
+}
+
+ParallelMLPImpl::ParallelMLPImpl(const GPTConfig& cfg, const dist::ParallelState& st,
+                                 double output_std) {
+  const std::int64_t ffn = cfg.ffn_hidden_size ? cfg.ffn_hidden_size : 4 * cfg.hidden_size;
+  fc1 =
+      register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(cfg.hidden_size, ffn)
+                                                      .sequence_parallel(cfg.sequence_parallel)
+                                                      .init_method(normal(cfg.init_method_std)),
+                                                  st));
+  fc2 = register_module("fc2", RowParallelLinear(RowParallelLinearOptions(ffn, cfg.hidden_size)
+                                                     .sequence_parallel(cfg.sequence_parallel)
+                                                     .init_method(normal(output_std)),
+                                                 st));
+}
+
+at::Tensor ParallelMLPImpl::forward(const at::Tensor& x) { return fc2(at::gelu(fc1(x), "tanh")); }
+
+TransformerLayerImpl::TransformerLayerImpl(const GPTConfig& cfg, const dist::ParallelState& st) {
+  // GPT-2 / Megatron scaled init of the output projections.
+  const double output_std =
+      cfg.init_method_std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
+  auto ln = [&] {
+    return torch::nn::LayerNorm(
+        torch::nn::LayerNormOptions({cfg.hidden_size}).eps(cfg.layernorm_epsilon));
+  };
+  ln1 = register_module("ln1", ln());
+  attn = register_module("attn", ParallelAttention(cfg, st, output_std));
+  ln2 = register_module("ln2", ln());
+  mlp = register_module("mlp", ParallelMLP(cfg, st, output_std));
+}
+
+at::Tensor TransformerLayerImpl::forward(const at::Tensor& x) {
+  const at::Tensor h = x + attn(ln1(x));
+  return h + mlp(ln2(h));
+}
+
+GPTModelImpl::GPTModelImpl(GPTConfig cfg, const dist::ParallelState& st, std::int64_t seed)
+    : config(std::move(cfg)), group_(st.tensor_group()) {
+  config.check(st.tp_size());
+  if (config.sequence_parallel && st.tp_size() == 1) config.sequence_parallel = false;
+  MAPP_CHECK(st.pp_size() == 1 && st.cp_size() == 1,
+             "mapp::nn::GPTModel: pipeline and context parallelism are not available from C++ "
+             "yet (pp ",
+             st.pp_size(), ", cp ", st.cp_size(), ")");
+  const std::uint64_t base = seed >= 0 ? static_cast<std::uint64_t>(seed)
+                                       : at::detail::getDefaultCPUGenerator().current_seed();
+  seeded(base, 0, [&] {
+    word_embeddings = register_module(
+        "word_embeddings",
+        VocabParallelEmbedding(VocabParallelEmbeddingOptions(config.vocab_size, config.hidden_size)
+                                   .init_method(normal(config.init_method_std)),
+                               st));
+    // nn.Embedding draws normal(0, 1) when built; then the GPT's init redraws.
+    position_embeddings = register_module(
+        "position_embeddings", torch::nn::Embedding(config.seq_length, config.hidden_size));
+    at::NoGradGuard no_grad;
+    position_embeddings->weight.normal_(0.0, config.init_method_std);
+  });
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (std::int64_t i = 0; i < config.num_layers; ++i)
+    seeded(base, 1 + i, [&] { layers->push_back(TransformerLayer(config, st)); });
+  seeded(base, 1 + config.num_layers, [&] {
+    final_layernorm = register_module(
+        "final_layernorm",
+        torch::nn::LayerNorm(
+            torch::nn::LayerNormOptions({config.hidden_size}).eps(config.layernorm_epsilon)));
+  });
+}
+
+at::Tensor GPTModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& labels) {
+  const std::int64_t s = input_ids.size(1);
+  MAPP_CHECK(s <= config.seq_length, "sequence length ", s, " exceeds the model's seq_length ",
+             config.seq_length);
+  at::Tensor x = word_embeddings(input_ids) +
+                 position_embeddings(at::arange(s, input_ids.options().dtype(at::kLong)));
+  x = x.transpose(0, 1).contiguous();  // [s, b, h]
+  if (config.sequence_parallel) x = ScatterToSP::apply(x, group_);
+  for (const auto& layer : *layers) x = layer->as<TransformerLayer>()->forward(x);
+  x = final_layernorm(x);
+  // Tied output layer: the word embeddings' shard gives this rank's vocabulary slice.
+  x = config.sequence_parallel ? gather_from_sequence_parallel(x, group_)
+                               : copy_to_tensor_parallel(x, group_);
+  const at::Tensor logits = at::linear(x, word_embeddings->weight);  // [s, b, V/tp]
+  if (!labels.defined()) return logits.transpose(0, 1);
+  return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group_).transpose(0, 1);
+}
+
+}  // namespace mapp::nn
