@@ -54,7 +54,7 @@ def _expected(world, tp, pp, cp, ep):
 
 
 def test_the_executables_were_built():
-    for exe in (EXE, TP_EXE, EXAMPLE):
+    for exe in (EXE, TP_EXE, GPT_EXE, EXAMPLE, TRAIN_GPT):
         assert os.access(exe, os.X_OK), f"{exe} missing: make build (needs libgloo-dev)"
 
 
@@ -204,3 +204,55 @@ def test_cpp_gpt_has_pythons_weights_loss_and_gradients(tp, sp):
                                value.flatten()), name  # the same weights, bit for bit
             g = torch.tensor(have["grad"], dtype=torch.float64)
             assert torch.allclose(g, grad.double().flatten(), rtol=1e-4, atol=1e-7), name
+
+
+TRAIN_GPT = os.path.join(ROOT, "build", "py", "examples", "train_gpt")
+GPT_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", "20"]
+
+
+def _torchrun(world, argv, timeout=300):
+    port = free_port()
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(world), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(path):
+    import csv
+
+    with open(path) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,flags", [(4, ["--tensor-model-parallel-size", "2"]),
+                                         (2, ["--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel"])])
+def test_cpp_trainer_gives_pretrain_gpt_losses(tmp_path, world, flags):
+    """examples/cpp/train_gpt.cc against examples/pretrain_gpt.py: the same
+    loss at each of the first 20 steps within 1e-5 (fp32)."""
+    from megatronapp.data import default_corpus
+
+    common = GPT_FLAGS + flags + ["--data-path", default_corpus()]
+    py = _torchrun(world, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common,
+                           "--no-progress", "--eval-iters", "0",
+                           "--output-dir", str(tmp_path / "py")])
+    assert py.returncode == 0, py.stderr[-2000:]
+    cpp = _torchrun(world, ["--no-python", TRAIN_GPT, *common,
+                            "--loss-csv", str(tmp_path / "cpp.csv")])
+    assert cpp.returncode == 0, cpp.stderr[-2000:]
+    want, got = _losses(tmp_path / "py" / "loss.csv"), _losses(tmp_path / "cpp.csv")
+    assert len(want) == len(got) == 20
+    for a, b in zip(want, got, strict=True):
+        assert abs(a - b) < 1e-5, (want, got)
+    assert got[-1] < got[0] - 1.0  # it trains
+
+
+def test_cpp_trainer_refuses_what_it_cannot_do_yet():
+    p = subprocess.run([TRAIN_GPT, "--pipeline-model-parallel-size", "2", "--data-path", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "pipeline and context parallelism" in p.stderr, p.stderr
+    p = subprocess.run([TRAIN_GPT], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--data-path" in p.stderr + p.stdout

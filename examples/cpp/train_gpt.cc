@@ -1,0 +1,240 @@
+// GPT pre-training from C++: pretrain_gpt.py's model, data, schedule and
+// optimizer, with Megatron's flag names, and the same losses.
+//
+//   torchrun --no-python --nproc-per-node 4 build/py/examples/train_gpt \
+//       --tensor-model-parallel-size 2 --data-path python/megatronapp/assets/kjv_excerpt.txt
+//
+// What it does per iteration, as megatronapp.training.train_step: the global
+// batch of random windows keyed by (seed, iteration) from the byte-tokenized
+// text (95% train), this data-parallel rank's microbatches, forward and
+// backward of each (loss / microbatches), gradients averaged over dp x cp,
+// sequence-parallel partial sums over tp, one global norm and clipping,
+// AdamW (betas 0.9, 0.95; weight decay on matrices only) at the warm-up +
+// cosine learning rate. Not yet: pipeline parallelism, the bucketed and
+// compressed DDP, ZeRO-1, checkpoints (docs/cpp.md).
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "mapp/common/check.h"
+#include "mapp/torch/dist.h"
+#include "mapp/torch/gpt.h"
+#include "mapp/torch/ops.h"
+
+namespace {
+
+struct Args {
+  int tp = 1, pp = 1, cp = 1;
+  int num_layers = 4, hidden_size = 256, num_attention_heads = 8, seq_length = 128;
+  int ffn_hidden_size = 0, micro_batch_size = 4, global_batch_size = 16;
+  int train_iters = 100, lr_warmup_iters = 10, log_interval = 10, seed = 1234;
+  int make_vocab_size_divisible_by = 128;
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.01, clip_grad = 1.0;
+  double hidden_dropout = 0.0, attention_dropout = 0.0, init_method_std = 0.02;
+  bool sequence_parallel = false;
+  std::string data_path, loss_csv;
+};
+
+// Linear warm-up to lr, then cosine decay to min_lr (training/step.py: lr_at).
+double lr_at(const Args& a, int it) {
+  if (it < a.lr_warmup_iters) return a.lr * (it + 1) / a.lr_warmup_iters;
+  const int span = std::max(1, a.train_iters - a.lr_warmup_iters);
+  const double frac = std::min(1.0, static_cast<double>(it - a.lr_warmup_iters) / span);
+  return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + std::cos(M_PI * frac));
+}
+
+// The text as UTF-8 bytes (the byte tokenizer, vocabulary 256): the training
+// split, the first 95% (data.TextDataset).
+at::Tensor train_tokens(const std::string& path, int seq_length) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw mapp::ValueError("data file '" + path + "' does not exist (--data-path)");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  at::Tensor bytes = at::empty({static_cast<std::int64_t>(text.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  const std::int64_t n = bytes.numel(), n_valid = static_cast<std::int64_t>(n * 0.05);
+  at::Tensor train = bytes.slice(0, 0, n - n_valid).to(at::kLong);
+  if (train.numel() <= seq_length + 1)
+    throw mapp::ValueError("the training split of '" + path +
+                           "' has fewer tokens than --seq-length + 1");
+  return train;
+}
+
+// Global batch `it`: random windows keyed by (seed, iteration), [gbs, s + 1].
+at::Tensor global_batch(const at::Tensor& stream, int it, const Args& a) {
+  const std::int64_t mixed =
+      (static_cast<std::int64_t>(a.seed) * 1000003 + it * 2) & 0x7FFFFFFFFFFF;
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(mixed));
+  const at::Tensor starts =
+      at::randint(0, stream.numel() - a.seq_length - 1, {a.global_batch_size}, g, at::kLong);
+  return stream.index({starts.unsqueeze(1) + at::arange(a.seq_length + 1, at::kLong)});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"GPT pre-training from C++ (megatronapp)"};
+  app.add_option("--tensor-model-parallel-size", a.tp);
+  app.add_option("--pipeline-model-parallel-size", a.pp);
+  app.add_option("--context-parallel-size", a.cp);
+  app.add_option("--num-layers", a.num_layers);
+  app.add_option("--hidden-size", a.hidden_size);
+  app.add_option("--num-attention-heads", a.num_attention_heads);
+  app.add_option("--seq-length", a.seq_length);
+  app.add_option("--ffn-hidden-size", a.ffn_hidden_size);
+  app.add_option("--micro-batch-size", a.micro_batch_size);
+  app.add_option("--global-batch-size", a.global_batch_size);
+  app.add_option("--train-iters", a.train_iters);
+  app.add_option("--lr", a.lr);
+  app.add_option("--min-lr", a.min_lr);
+  app.add_option("--lr-warmup-iters", a.lr_warmup_iters);
+  app.add_option("--weight-decay", a.weight_decay);
+  app.add_option("--clip-grad", a.clip_grad);
+  app.add_option("--seed", a.seed);
+  app.add_option("--init-method-std", a.init_method_std);
+  app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by);
+  app.add_option("--hidden-dropout", a.hidden_dropout);
+  app.add_option("--attention-dropout", a.attention_dropout);
+  app.add_flag("--sequence-parallel", a.sequence_parallel);
+  app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
+  app.add_option("--log-interval", a.log_interval);
+  app.add_option("--loss-csv", a.loss_csv, "write iteration,loss,lr,grad_norm here (rank 0)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (a.pp != 1 || a.cp != 1)
+      throw mapp::ValueError(
+          "train_gpt: pipeline and context parallelism are not available from C++ yet; "
+          "use examples/pretrain_gpt.py");
+    if (a.hidden_dropout != 0.0 || a.attention_dropout != 0.0)
+      throw mapp::ValueError("train_gpt: dropout is not available from C++ yet; pass 0");
+    const auto st = mapp::dist::init_from_env({.tp = a.tp, .pp = a.pp, .cp = a.cp});
+    const int dp = st.dp_size();
+    if (a.global_batch_size % (a.micro_batch_size * dp))
+      throw mapp::ValueError("global batch size " + std::to_string(a.global_batch_size) +
+                             " is not divisible by micro-batch size (" +
+                             std::to_string(a.micro_batch_size) + ") x data-parallel size (" +
+                             std::to_string(dp) + ")");
+    const int micro = a.global_batch_size / (a.micro_batch_size * dp);
+    torch::manual_seed(a.seed);
+    const at::Tensor stream = train_tokens(a.data_path, a.seq_length);
+
+    mapp::nn::GPTConfig cfg;
+    const std::int64_t multiple = static_cast<std::int64_t>(a.make_vocab_size_divisible_by) * a.tp;
+    cfg.vocab_size = (256 + multiple - 1) / multiple * multiple;
+    cfg.hidden_size = a.hidden_size;
+    cfg.num_layers = a.num_layers;
+    cfg.num_attention_heads = a.num_attention_heads;
+    cfg.seq_length = a.seq_length;
+    cfg.ffn_hidden_size = a.ffn_hidden_size;
+    cfg.init_method_std = a.init_method_std;
+    cfg.sequence_parallel = a.sequence_parallel;
+    mapp::nn::GPTModel model(cfg, st, a.seed);
+
+    // AdamW, weight decay on matrices only.
+    std::vector<at::Tensor> matrices, vectors;
+    for (const auto& p : model->parameters()) (p.dim() >= 2 ? matrices : vectors).push_back(p);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(
+        matrices,
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay)));
+    groups.emplace_back(vectors,
+                        std::make_unique<torch::optim::AdamWOptions>(
+                            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.0)));
+    torch::optim::AdamW opt(std::move(groups));
+    // Which gradients count in the norm: tensor-parallel shards on every tensor
+    // rank, replicated parameters once; which are partial sums under SP.
+    std::vector<at::Tensor> sharded, replicated, sp_partial;
+    for (const auto& item : model->named_parameters()) {
+      const std::string& n = item.key();
+      const bool tp_split =
+          n.find("qkv.") != std::string::npos || n.find("fc1.") != std::string::npos ||
+          n.find("word_embeddings") != std::string::npos ||
+          ((n.find("proj.") != std::string::npos || n.find("fc2.") != std::string::npos) &&
+           n.find("weight") != std::string::npos);
+      (tp_split ? sharded : replicated).push_back(item.value());
+      if (cfg.sequence_parallel && !tp_split && n.find("position_embeddings") == std::string::npos)
+        sp_partial.push_back(item.value());
+    }
+    std::ofstream csv;
+    if (st.rank() == 0 && !a.loss_csv.empty()) {
+      csv.open(a.loss_csv);
+      csv << "iteration,loss,lr,grad_norm\n";
+    }
+    const std::string& g_tp = st.tensor_group();
+    for (int it = 0; it < a.train_iters; ++it) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double lr = lr_at(a, it);
+      for (auto& group : opt.param_groups())
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      opt.zero_grad();
+      const at::Tensor window = global_batch(stream, it, a);
+      at::Tensor total = at::zeros({1}, at::kDouble);
+      for (int m = 0; m < micro; ++m) {
+        const std::int64_t lo =
+            (static_cast<std::int64_t>(m) * dp + st.dp_rank()) * a.micro_batch_size;
+        const at::Tensor rows = window.slice(0, lo, lo + a.micro_batch_size);
+        const at::Tensor logits = model->forward(rows.slice(1, 0, a.seq_length));  // [b, s, V/tp]
+        const at::Tensor loss =
+            mapp::nn::vocab_parallel_cross_entropy(logits.transpose(0, 1).to(at::kFloat),
+                                                   rows.slice(1, 1).transpose(0, 1), g_tp)
+                .mean();
+        (loss / micro).backward();
+        if (st.tp_rank() == 0) total += loss.detach().to(at::kDouble);
+      }
+      // Gradients: the data (x context) average, the sequence-parallel sums.
+      const int dpc = dp * st.cp_size();
+      if (dpc > 1)
+        for (auto& p : model->parameters()) {
+          mapp::torch_ext::all_reduce_sum_(p.mutable_grad(), st.data_context_group());
+          p.mutable_grad().mul_(1.0 / dpc);
+        }
+      for (auto& p : sp_partial) mapp::torch_ext::all_reduce_sum_(p.mutable_grad(), g_tp);
+      // One global norm (float64 sum of squared per-tensor norms) and clipping.
+      std::vector<at::Tensor> counted;
+      for (auto& p : sharded) counted.push_back(p.grad());
+      if (st.tp_rank() == 0)
+        for (auto& p : replicated) counted.push_back(p.grad());
+      at::Tensor sq = at::zeros({1}, at::kDouble);
+      if (!counted.empty())
+        sq += at::stack(at::_foreach_norm(counted)).to(at::kDouble).square().sum();
+      mapp::torch_ext::all_reduce_sum_(sq, st.model_group());
+      const double norm = std::sqrt(sq.item<double>());
+      if (a.clip_grad > 0 && norm > a.clip_grad) {
+        std::vector<at::Tensor> grads;
+        for (auto& p : model->parameters()) grads.push_back(p.grad());
+        at::_foreach_mul_(grads, a.clip_grad / (norm + 1e-6));
+      }
+      opt.step();
+      mapp::torch_ext::all_reduce_sum_(total, st.world_group());
+      const double mean = total.item<double>() / (micro * dpc);
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (st.rank() == 0) {
+        if (csv.is_open())
+          csv << it + 1 << "," << std::setprecision(17) << mean << "," << lr << "," << norm << "\n";
+        if ((it + 1) % a.log_interval == 0 || it == 0)
+          std::printf(" iteration %6d/%6d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s\n",
+                      it + 1, a.train_iters, mean, lr, norm,
+                      a.global_batch_size * a.seq_length / secs);
+      }
+    }
+    std::fflush(stdout);
+    mapp::dist::destroy(st);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}
