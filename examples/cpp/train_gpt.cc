@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
   app.add_flag("--sequence-parallel", a.sequence_parallel);
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
-  app.add_option("--loss-csv", a.loss_csv, "write iteration,loss,lr,grad_norm here (rank 0)");
+  app.add_option("--loss-csv", a.loss_csv,
+                 "write iteration,loss,lr,grad_norm,seconds here (rank 0)");
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.pp != 1 || a.cp != 1)
@@ -170,7 +171,7 @@ int main(int argc, char** argv) {
     std::ofstream csv;
     if (st.rank() == 0 && !a.loss_csv.empty()) {
       csv.open(a.loss_csv);
-      csv << "iteration,loss,lr,grad_norm\n";
+      csv << "iteration,loss,lr,grad_norm,seconds\n";
     }
     const std::string& g_tp = st.tensor_group();
     for (int it = 0; it < a.train_iters; ++it) {
@@ -223,7 +224,8 @@ int main(int argc, char** argv) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (st.rank() == 0) {
         if (csv.is_open())
-          csv << it + 1 << "," << std::setprecision(17) << mean << "," << lr << "," << norm << "\n";
+          csv << it + 1 << "," << std::setprecision(17) << mean << "," << lr << "," << norm << ","
+              << secs << "\n";
         if ((it + 1) % a.log_interval == 0 || it == 0)
           std::printf(" iteration %6d/%6d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s\n",
                       it + 1, a.train_iters, mean, lr, norm,

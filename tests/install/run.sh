@@ -48,6 +48,16 @@ cmake -S tests/consumer_torch -B "$WORK/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Re
   "-DCMAKE_PREFIX_PATH=$prefix;$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 > "$WORK/consumer.log"
 cmake --build "$WORK/consumer" >> "$WORK/consumer.log"
 "$WORK/consumer/consumer_torch"
+# The custom C++ trainer built out of tree, on 2 ranks launched by hand.
+port=$("$WORK/venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+pids=""
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    "$WORK/consumer/train_tp_mlp" 2 50 > "$WORK/train_tp_mlp.$r.log" 2>&1 &
+  pids="$pids $!"
+done
+for p in $pids; do wait "$p"; done
+grep "step 50 loss" "$WORK/train_tp_mlp.0.log"
 
 echo "== 5. the sdist builds a wheel in the clean environment"
 "$WORK/venv/bin/python" -m pip install -q scikit-build-core setuptools-scm

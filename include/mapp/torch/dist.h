@@ -49,6 +49,10 @@ struct InitOptions {
   int cp = 1;  // --context-parallel-size
   int ep = 1;  // --expert-model-parallel-size
   std::string backend = "gloo";
+  // Groups whose members all run on this node move their CPU collectives
+  // through shared memory (as Python's initialize_model_parallel does;
+  // MAPP_SHM_COLLECTIVES=0 turns it off).
+  bool shared_memory = true;
   // How long the rendezvous and every collective may take.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
 };
