@@ -101,8 +101,14 @@ struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
     const at::Tensor ignored = target.eq(ignore_index);
     const at::Tensor bad =
         ignored.logical_not().logical_and(target.lt(0).logical_or(target.ge(vocab)));
-    MAPP_CHECK(!bad.any().item<bool>(), "vocab_parallel_cross_entropy: target ids must lie in [0, ",
-               vocab, ") (or equal ignore_index=", ignore_index, ")");
+    const std::string msg = "vocab_parallel_cross_entropy: target ids must lie in [0, " +
+                            std::to_string(vocab) +
+                            ") (or equal ignore_index=" + std::to_string(ignore_index) + ")";
+    if (target.is_cpu()) {
+      MAPP_CHECK(!bad.any().item<bool>(), msg);
+    } else {  // no host synchronization per microbatch: a device-side assertion
+      at::_assert_async(bad.any().logical_not(), msg);
+    }
     at::Tensor stats = torch_ext::vocab_ce_local_stats(logits, target, vocab_start).unsqueeze(0);
     if (world > 1) stats = torch_ext::all_gather(stats.contiguous(), 0, group);
     const auto parts = stats.unbind(-1);  // max, sum exp, target logit: each [world, rows...]
@@ -249,11 +255,15 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const VocabParallelEmbedd
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
-  if (ids.numel()) {
+  if (ids.numel() && ids.is_cpu()) {
     const auto [lo, hi] = at::aminmax(ids);
     MAPP_CHECK(lo.item<std::int64_t>() >= 0 && hi.item<std::int64_t>() < options.num_embeddings(),
                "VocabParallelEmbedding: token ids must lie in [0, ", options.num_embeddings(),
                "), got values in [", lo.item<std::int64_t>(), ", ", hi.item<std::int64_t>(), "]");
+  } else if (ids.numel()) {  // no host synchronization per microbatch on a GPU
+    at::_assert_async(ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all(),
+                      "VocabParallelEmbedding: token ids must lie in [0, " +
+                          std::to_string(options.num_embeddings()) + ")");
   }
   at::Tensor out;
   if (torch_ext::group_size(group) > 1) {
