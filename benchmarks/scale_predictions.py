@@ -46,6 +46,32 @@ def megatron_and_ours(job, hw, grad_bytes):
     return meg, ours
 
 
+def context_parallel_table(hw) -> list:
+    """Section 4: CP layouts of GPT-3 175B at 16K / 32K against TP-only with
+    the recomputation it needs (Megatron-Core's context-parallel guide)."""
+    out = []
+    h100 = dc.replace(sm.H100_EOS, gemm_efficiency=hw.gemm_efficiency)
+    out.append("")
+    out.append("### Context parallelism: GPT-3 175B at long sequences, 512 H100 "
+               "(TP8 x PP8, SP, 16 microbatches per pipeline; matmul efficiency as calibrated)\n")
+    out.append("TP-only takes the least recomputation that fits 80 GB; each CP layout the "
+               "same GPUs with dp / cp.\n")
+    out.append("| sequence | layout | recompute | memory GB | tokens/s | vs TP8CP1 | published |")
+    out.append("|---|---|---|---|---|---|---|")
+    for seq, published in ((16384, {2: "1.25x"}), (32768, {4: "1.20x"})):
+        base = sm.least_recompute(dc.replace(sm.GPT3_175B_LONG_512, seq_length=seq), h100)
+        ref = sm.tokens_per_s(base, h100)
+        rows = [("TP8CP1", base)] + [(f"TP8CP{c} {comm}", sm.context_parallel(base, c, h100, comm))
+                                     for c in (2, 4, 8) for comm in ("p2p", "a2a")]
+        for name, job in rows:
+            tps = sm.tokens_per_s(job, h100)
+            mem = sm.memory_per_gpu(job, h100)["total"] / 1e9
+            out.append(f"| {seq // 1024}K | {name} | {job.recompute or 'none'} | {mem:.0f} | "
+                       f"{tps:,.0f} | {tps / ref:.2f}x | "
+                       f"{published.get(job.cp, '') if 'p2p' in name else ''} |")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--markdown", default=None, help="also write the tables here")
@@ -156,26 +182,7 @@ def main():
                    f"{ours['onebit']['dp_exposed_s']:.2f} | "
                    f"{ours['int8']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x | "
                    f"{ours['onebit']['tflops_per_gpu'] / meg['tflops_per_gpu']:.2f}x |")
-    # 4. Context parallelism against full recomputation (Megatron-Core's guide).
-    h100 = dc.replace(sm.H100_EOS, gemm_efficiency=hw.gemm_efficiency)
-    out.append("")
-    out.append("### Context parallelism: GPT-3 175B at long sequences, 512 H100 "
-               "(TP8 x PP8, SP, 16 microbatches per pipeline; matmul efficiency as calibrated)\n")
-    out.append("TP-only takes the least recomputation that fits 80 GB; each CP layout the "
-               "same GPUs with dp / cp.\n")
-    out.append("| sequence | layout | recompute | memory GB | tokens/s | vs TP8CP1 | published |")
-    out.append("|---|---|---|---|---|---|---|")
-    for seq, published in ((16384, {2: "1.25x"}), (32768, {4: "1.20x"})):
-        base = sm.least_recompute(dc.replace(sm.GPT3_175B_LONG_512, seq_length=seq), h100)
-        ref = sm.tokens_per_s(base, h100)
-        rows = [("TP8CP1", base)] + [(f"TP8CP{c} {comm}", sm.context_parallel(base, c, h100, comm))
-                                     for c in (2, 4, 8) for comm in ("p2p", "a2a")]
-        for name, job in rows:
-            tps = sm.tokens_per_s(job, h100)
-            mem = sm.memory_per_gpu(job, h100)["total"] / 1e9
-            out.append(f"| {seq // 1024}K | {name} | {job.recompute or 'none'} | {mem:.0f} | "
-                       f"{tps:,.0f} | {tps / ref:.2f}x | "
-                       f"{published.get(job.cp, '') if 'p2p' in name else ''} |")
+    out += context_parallel_table(hw)
     text = "\n".join(out) + "\n"
     print(text, end="")
     if a.markdown:

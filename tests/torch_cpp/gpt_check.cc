@@ -15,26 +15,9 @@
 #include <sstream>
 #include <string>
 
+#include "json_values.h"
 #include "mapp/torch/dist.h"
 #include "mapp/torch/gpt.h"
-
-namespace {
-
-std::string values(const at::Tensor& t) {
-  const at::Tensor f = t.detach().to(at::kDouble).contiguous().flatten();
-  const double* p = f.data_ptr<double>();
-  std::ostringstream os;
-  os << "[";
-  char buf[40];
-  for (int64_t i = 0; i < f.numel(); ++i) {
-    std::snprintf(buf, sizeof(buf), "%.9g", p[i]);
-    os << (i ? ", " : "") << buf;
-  }
-  os << "]";
-  return os.str();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 4) {
@@ -65,8 +48,8 @@ int main(int argc, char** argv) {
     bool first = true;
     for (const auto& item : model->named_parameters()) {
       std::cout << (first ? "" : ", ") << "\"" << item.key()
-                << "\": {\"value\": " << values(item.value())
-                << ", \"grad\": " << values(item.value().grad()) << "}";
+                << "\": {\"value\": " << json_values(item.value())
+                << ", \"grad\": " << json_values(item.value().grad()) << "}";
       first = false;
     }
     std::cout << "}}" << std::endl;

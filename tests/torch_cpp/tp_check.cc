@@ -17,24 +17,12 @@
 #include <sstream>
 #include <string>
 
+#include "json_values.h"
 #include "mapp/torch/dist.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
 
 namespace {
-
-std::string values(const at::Tensor& t) {
-  const at::Tensor f = t.detach().to(at::kDouble).contiguous().flatten();
-  std::ostringstream os;
-  os << "[";
-  char buf[40];
-  for (int64_t i = 0; i < f.numel(); ++i) {
-    std::snprintf(buf, sizeof(buf), "%.9g", f[i].item<double>());
-    os << (i ? ", " : "") << buf;
-  }
-  os << "]";
-  return os.str();
-}
 
 double max_err(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
@@ -107,10 +95,12 @@ int main(int argc, char** argv) {
               << ", \"loss\": " << loss.item<double>()
               << ", \"loss_err\": " << std::abs(loss.item<double>() - rloss.item<double>())
               << ", \"grad_err\": " << grad_err
-              << ", \"weights\": {\"emb\": " << values(emb->weight)
-              << ", \"fc1.w\": " << values(fc1->weight) << ", \"fc1.b\": " << values(fc1->bias)
-              << ", \"fc2.w\": " << values(fc2->weight) << ", \"fc2.b\": " << values(fc2->bias)
-              << ", \"head.w\": " << values(head->weight) << "}}" << std::endl;
+              << ", \"weights\": {\"emb\": " << json_values(emb->weight)
+              << ", \"fc1.w\": " << json_values(fc1->weight)
+              << ", \"fc1.b\": " << json_values(fc1->bias)
+              << ", \"fc2.w\": " << json_values(fc2->weight)
+              << ", \"fc2.b\": " << json_values(fc2->bias)
+              << ", \"head.w\": " << json_values(head->weight) << "}}" << std::endl;
     mapp::dist::destroy(st);
     return 0;
   } catch (const std::exception& e) {
