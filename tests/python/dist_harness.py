@@ -5,6 +5,10 @@
 `fn(rank, world_size, *args)`. It returns the per-rank return values, or raises
 with every failing rank's traceback. A rank that hangs is killed after
 `timeout` seconds and the call fails, so a test can never block CI.
+
+`train_variants` (run on every rank) trains the same model under several
+command-line variants; `assert_variants_identical` checks that every variant's
+losses, gradients and weights equal the first one's exactly.
 """
 
 from __future__ import annotations
@@ -85,3 +89,42 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0):
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+def train_variants(rank, world, flags, variants: dict, out_dir, iters: int = 2):
+    """`iters` iterations of pretrain_gpt with `flags` + each variant's flags
+    (name -> list), from the same start: per variant the losses, the
+    gradients of the last iteration and the weights after it."""
+    import megatronapp
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, build_run, train_step
+
+    out = {}
+    for name, extra in variants.items():
+        args = build_parser().parse_args(flags + extra + ["--output-dir", out_dir])
+        run = build_run(Config.from_args(args))
+        losses = [train_step(run, it).loss for it in range(iters)]
+        grads, params = [], []
+        for c in run.chunks:
+            for p in c.module.parameters():
+                g = getattr(p, "main_grad", None)
+                grads.append((g if g is not None else p.grad).detach().clone())
+                params.append(p.detach().clone())
+        out[name] = (losses, grads, params)
+        megatronapp.destroy_model_parallel()
+    return out
+
+
+def assert_variants_identical(results, names):
+    """Every rank's variants `names[1:]` equal `names[0]` bit for bit."""
+    import torch
+
+    for rank, out in enumerate(results):
+        ref_losses, ref_grads, ref_params = out[names[0]]
+        for name in names[1:]:
+            losses, grads, params = out[name]
+            assert losses == ref_losses, (rank, name, losses, ref_losses)
+            assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), (
+                rank, name, "gradients differ")
+            assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)), (
+                rank, name, "weights differ")

@@ -5,7 +5,7 @@ single-process model; schedules and simulator from Python."""
 import pytest
 
 import torch
-from dist_harness import run_ranks
+from dist_harness import assert_variants_identical, run_ranks, train_variants
 
 H, S, B = 8, 4, 3  # hidden, sequence, micro-batch
 
@@ -83,7 +83,11 @@ def _run(rank, world, tp, pp, v_list, m, use_ddp):
                 for p in b.parameters():
                     p.grad = None
             data = iter([_microbatch(state.dp_rank * m + i) for i in range(m)])
-            res = pipeline.forward_backward(sched, chunks, data, _loss, tensor_shape=(S, B, H))
+            # With tp > 1 the blocks' outputs are equal on both tensor ranks:
+            # each sends half of every tensor between stages.
+            res = pipeline.forward_backward(sched, chunks, data, _loss, tensor_shape=(S, B, H),
+                                            scatter_gather=tp > 1)
+            sends = sum(a.type in ("SEND_ACT", "SEND_GRAD") for a in sched.actions(state.pp_rank))
             grads = {}
             for vs, c in zip(mine, chunks, strict=True):
                 module = c.module if use_ddp else c
@@ -93,7 +97,7 @@ def _run(rank, world, tp, pp, v_list, m, use_ddp):
             out[key] = {"grads": grads, "peak": res.peak_activations,
                         "expected_peak": sched.peak_activations(state.pp_rank),
                         "losses": [float(x) for x in res.losses], "tp": (state.tp_rank, tp),
-                        "dp": dp}
+                        "dp": dp, "sent": (res.sent_bytes, sends * S * B * H * 4 // tp)}
     return out
 
 
@@ -105,6 +109,9 @@ def reference():
 @pytest.mark.parametrize("tp,pp,world,ddp", [(1, 2, 2, False), (1, 4, 4, False),
                                              (2, 2, 4, False), (1, 2, 4, True)])
 def test_executor_gradients_match_single_process(reference, tp, pp, world, ddp):
+    """Every schedule's gradients and losses against the single-process model;
+    at TP2 x PP2 the stages exchange halves (scatter/gather over the tensor
+    group), and every rank sent exactly its share of the bytes."""
     m = 4
     v_list = [(1, V1), (2, V2)]
     results = run_ranks(_run, world, tp, pp, v_list, m, ddp, timeout=600)
@@ -115,6 +122,7 @@ def test_executor_gradients_match_single_process(reference, tp, pp, world, ddp):
             v = 2 if key.endswith("v2") else 1
             ref_grads, ref_losses = reference[(pp * v, m * dp)]
             assert res["peak"] == res["expected_peak"], (key, res["peak"], res["expected_peak"])
+            assert res["sent"][0] == res["sent"][1], (key, res["sent"])
             tp_rank, tp_size = res["tp"]
             for (vs, name, pdim), g in res["grads"].items():
                 full = ref_grads[f"{vs}.{name}"]
@@ -171,3 +179,28 @@ def test_schedule_api_and_closed_forms(tmp_path):
     trace = json.loads(r.chrome_trace(tmp_path / "zb.json"))
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(r.timeline)
     assert (tmp_path / "zb.png").stat().st_size > 1000
+
+
+GPT_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--lr", "1e-3", "--lr-warmup-iters", "1", "--train-iters", "2", "--eval-iters", "1",
+             "--no-progress", "--no-watchdog", "--hidden-dropout", "0.1",
+             "--attention-dropout", "0.1", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-schedule", "1f1b"],
+    ["--pipeline-schedule", "zero-bubble", "--use-distributed-optimizer"],
+    ["--pipeline-schedule", "1f1b", "--virtual-pipeline-model-parallel-size", "2"],
+    ["--pipeline-schedule", "1f1b", "--num-experts", "4", "--moe-router-topk", "2"],
+], ids=["1f1b", "zero-bubble-zero1", "interleaved", "moe"])
+def test_scatter_gather_between_stages_is_bit_identical(tmp_path, layout):
+    """TP2 x PP2 without sequence parallelism: each tensor rank sends half of
+    every activation and gradient and the receivers all-gather (the default);
+    losses, gradients and weights equal those of sending whole tensors, with
+    dropout on, in 1F1B, zero-bubble + ZeRO-1, interleaved and MoE."""
+    variants = {"whole": ["--no-scatter-gather-tensors-in-pipeline"], "scatter-gather": []}
+    results = run_ranks(train_variants, 4, GPT_FLAGS + layout, variants, str(tmp_path),
+                        timeout=400)
+    assert_variants_identical(results, list(variants))

@@ -10,7 +10,7 @@ recomputation; equality is exact (torch.equal), not a tolerance."""
 import pytest
 
 import torch
-from dist_harness import run_ranks
+from dist_harness import assert_variants_identical, run_ranks, train_variants
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -30,42 +30,6 @@ MODES = {
 }
 
 
-def _train_modes(rank, world, layout, modes, out_dir):
-    """Two iterations per mode from the same start: the losses, the
-    gradients of the last iteration and the weights after it."""
-    import megatronapp
-    from megatronapp.pretrain import build_parser
-    from megatronapp.training import Config, build_run, train_step
-
-    out = {}
-    for mode in modes:
-        args = build_parser().parse_args(FLAGS + layout + MODES[mode] +
-                                         ["--output-dir", out_dir])
-        run = build_run(Config.from_args(args))
-        losses = [train_step(run, it).loss for it in range(2)]
-        grads, params = [], []
-        for c in run.chunks:
-            for p in c.module.parameters():
-                g = getattr(p, "main_grad", None)
-                grads.append((g if g is not None else p.grad).detach().clone())
-                params.append(p.detach().clone())
-        out[mode] = (losses, grads, params)
-        megatronapp.destroy_model_parallel()
-    return out
-
-
-def _assert_identical(results, modes):
-    for rank, out in enumerate(results):
-        ref_losses, ref_grads, ref_params = out["none"]
-        for mode in modes[1:]:
-            losses, grads, params = out[mode]
-            assert losses == ref_losses, (rank, mode, losses, ref_losses)
-            assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), (
-                rank, mode, "gradients differ")
-            assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)), (
-                rank, mode, "weights differ")
-
-
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--sequence-parallel", "--attention-backend", "unfused"]
 
@@ -79,8 +43,9 @@ TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 ], ids=["1f1b", "gpipe", "zero-bubble", "interleaved", "dynamic"])
 def test_recompute_is_bit_identical_in_every_schedule(tmp_path, schedule):
     modes = ["none", "selective", "full-uniform", "full-block"]
-    results = run_ranks(_train_modes, 4, TP2PP2 + schedule, modes, str(tmp_path), timeout=400)
-    _assert_identical(results, modes)
+    results = run_ranks(train_variants, 4, FLAGS + TP2PP2 + schedule,
+                        {m: MODES[m] for m in modes}, str(tmp_path), timeout=400)
+    assert_variants_identical(results, modes)
     # Dropout is on: the losses differ from a dropout-free run (the masks are
     # real), and the pipeline stages agree on the loss.
     assert len({r["none"][0][0] for r in results}) == 1
@@ -97,8 +62,9 @@ def test_recompute_composes_with_zero1_and_bf16(tmp_path, layout):
     modes = ["none", "selective", "full-uniform"]
     if "--sequence-parallel" not in layout:
         modes.append("full-distributed")
-    results = run_ranks(_train_modes, 4, layout, modes, str(tmp_path), timeout=400)
-    _assert_identical(results, modes)
+    results = run_ranks(train_variants, 4, FLAGS + layout, {m: MODES[m] for m in modes},
+                        str(tmp_path), timeout=400)
+    assert_variants_identical(results, modes)
 
 
 def test_dropout_masks_differ_across_tensor_ranks_only_where_sharded():

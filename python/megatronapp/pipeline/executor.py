@@ -14,6 +14,13 @@ virtual stage feeds ``inputs`` to chunk 0 and the last computes
 ``loss_fn(output, target)``; the loss is divided by the number of
 microbatches before backward, so gradients are the mean over microbatches.
 
+With ``scatter_gather=True`` and tensor parallelism, the tensors between
+stages are the same on every tensor rank (no sequence parallelism), so each
+tensor rank sends only its 1/tp slice to the same tensor rank of the peer
+stage, which all-gathers the slices over the tensor group (Megatron-LM's
+scatter/gather optimization, Narayanan et al. 2021): the pipeline link carries
+one copy of each activation and gradient instead of tp copies.
+
 Chunks that implement :class:`GradSync` (megatronapp's
 :class:`~megatronapp.data_parallel.DistributedDataParallel` does) synchronize
 only during their final backward (and final W), so a chunk's data-parallel
@@ -37,7 +44,7 @@ import torch.distributed as dist
 
 import torch
 
-from .. import autograd, faults
+from .. import _collectives, autograd, faults
 from .. import trace as _trace
 from ..parallel_state import ParallelState, resolve_state, shared_memory_enabled
 from .schedules import Schedule
@@ -70,6 +77,7 @@ class PipelineResult:
     peak_activations: int = 0  #: most microbatch-chunk activations held at once
     compute_time: dict = field(default_factory=dict)  #: type -> mean seconds per action
     recv_wait_time: float = 0.0  #: seconds spent waiting for inputs
+    sent_bytes: int = 0  #: bytes this rank sent to its pipeline peers
     step_time: float = 0.0
     tensor_shape: tuple | None = None  #: of the tensors between stages
     dtype: torch.dtype | None = None
@@ -79,7 +87,8 @@ class PipelineResult:
 class _P2P:
     """Non-blocking sends and receives to pipeline peers, matched by tag."""
 
-    def __init__(self, state: ParallelState, schedule: Schedule, shape, dtype, device):
+    def __init__(self, state: ParallelState, schedule: Schedule, shape, dtype, device,
+                 scatter_gather: bool = False):
         self.stage = state.pp_rank
         self.group = state.pipeline_group
         self.ranks = state.group_ranks["pp"]
@@ -88,6 +97,14 @@ class _P2P:
         self.trace = _trace.full()
         self.p, self.m = schedule.stages, schedule.microbatches
         self.shape, self.dtype, self.device = shape, dtype, device
+        # Scatter/gather over the tensor group: this rank's slice of the
+        # flattened tensor travels; the receiver all-gathers the slices.
+        tp = state.tp_size
+        self.split = (tp if scatter_gather and tp > 1 and shape is not None
+                      and math.prod(shape) % tp == 0 else 1)
+        self.tensor_group, self.tp_rank = state.tensor_group, state.tp_rank
+        self.message = (shape if self.split == 1 or shape is None
+                        else (math.prod(shape) // self.split,))
         # On one node, CPU tensors move through shared memory (ShmP2P), not
         # Gloo's TCP loopback; peers are addressed by stage = pipeline-group rank.
         # A message larger than a ring would move only while the sender is in
@@ -95,7 +112,7 @@ class _P2P:
         # Every stage decides alike: shape and dtype are the same everywhere.
         self.shm = (self.group is not None and (device is None or device.type == "cpu")
                     and shape is not None and shared_memory_enabled(self.group, p2p=True)
-                    and math.prod(shape) * dtype.itemsize <= torch.ops.mapp.shm_p2p_ring_bytes(
+                    and math.prod(self.message) * dtype.itemsize <= torch.ops.mapp.shm_p2p_ring_bytes(
                         self.group.group_name))
         self.recvs: dict = {}
         # key -> (work, tensor): the tensor lives until the send is waited on
@@ -110,7 +127,7 @@ class _P2P:
             raise ValueError("forward_backward: tensor_shape is required with more than one "
                              "pipeline stage (the shape of the activations between stages, "
                              "e.g. (seq_length, micro_batch_size, hidden_size))")
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        buf = torch.empty(self.message, dtype=self.dtype, device=self.device)
         src, tag = self.ranks[peer], self.tag(*key)
         t0 = time.monotonic_ns()
         if self.shm:
@@ -140,6 +157,8 @@ class _P2P:
             _trace.record("recv_wait", "p2p", t0, t1, mb=key[1], peer=src,
                           bytes=buf.numel() * buf.element_size(), group=f"p2p:{src}->{self.me}",
                           seq=self.tag(*key))
+        if self.split > 1:  # every tensor rank received its slice: put them together
+            buf = _collectives.all_gather(buf, 0, self.tensor_group).view(self.shape)
         return buf
 
     def send(self, key, tensor: torch.Tensor, peer: int) -> None:
@@ -149,7 +168,11 @@ class _P2P:
                 f"forward_backward: a stage produced a tensor of shape {tuple(tensor.shape)} "
                 f"and dtype {tensor.dtype} but tensor_shape={tuple(self.shape)}, "
                 f"dtype={self.dtype} were given; every stage boundary must match them")
+        if self.split > 1:
+            k = tensor.numel() // self.split
+            tensor = tensor.view(-1).narrow(0, self.tp_rank * k, k)
         dst, tag = self.ranks[peer], self.tag(*key)
+        self.result.sent_bytes += tensor.numel() * tensor.element_size()
         t0 = time.monotonic_ns()
         if self.shm:
             def issue(tensor=tensor, peer=peer, tag=tag, name=self.group.group_name):
@@ -247,7 +270,8 @@ def _final_backwards(actions, chunks: int) -> set:
 def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *,
                      tensor_shape=None, dtype: torch.dtype = torch.float32,
                      parallel_state: ParallelState | None = None,
-                     forward_only: bool = False) -> PipelineResult:
+                     forward_only: bool = False,
+                     scatter_gather: bool = False) -> PipelineResult:
     """Runs one step of `schedule` on this rank (its pipeline stage).
 
     Args:
@@ -259,6 +283,9 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
         tensor_shape, dtype: shape and dtype of the tensors between stages.
         forward_only: run the forwards only (evaluation), without autograd.
+        scatter_gather: the tensors between stages are equal on every tensor
+            rank (tensor parallelism without sequence parallelism): send 1/tp
+            of each and all-gather it over the tensor group on arrival.
     """
     state = resolve_state(parallel_state)
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -276,7 +303,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     device = next(iter(chunks[0].parameters())).device
     result = PipelineResult(tensor_shape=tuple(tensor_shape) if tensor_shape else None,
                             dtype=dtype, device=device)
-    p2p = _P2P(state, schedule, tensor_shape, dtype, device)
+    p2p = _P2P(state, schedule, tensor_shape, dtype, device, scatter_gather)
     p2p.result = result
     final = set() if forward_only else _final_backwards(actions, v)
     syncs = [c if isinstance(c, GradSync) else None for c in chunks]

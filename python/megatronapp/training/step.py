@@ -93,8 +93,9 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     res = forward_backward(current_schedule(run.schedule), run.chunks,
                            iter([(x.to(device), y) for x, y in micro]), loss_fn,
                            tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
-                           parallel_state=state,
-                           forward_only=not backward)
+                           parallel_state=state, forward_only=not backward,
+                           scatter_gather=not (cfg.parallel.sequence_parallel
+                                               or cfg.parallel.no_scatter_gather_tensors_in_pipeline))
     if backward and isinstance(run.schedule, AdaptiveSchedule):
         run.schedule.observe(res)
     # Last stage: the sum of its microbatch losses; every tensor rank holds the
