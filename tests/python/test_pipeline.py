@@ -196,11 +196,12 @@ GPT_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads"
     ["--pipeline-schedule", "1f1b", "--num-experts", "4", "--moe-router-topk", "2"],
 ], ids=["1f1b", "zero-bubble-zero1", "interleaved", "moe"])
 def test_scatter_gather_between_stages_is_bit_identical(tmp_path, layout):
-    """TP2 x PP2 without sequence parallelism: each tensor rank sends half of
-    every activation and gradient and the receivers all-gather (the default);
-    losses, gradients and weights equal those of sending whole tensors, with
-    dropout on, in 1F1B, zero-bubble + ZeRO-1, interleaved and MoE."""
-    variants = {"whole": ["--no-scatter-gather-tensors-in-pipeline"], "scatter-gather": []}
+    """TP2 x PP2 without sequence parallelism, --scatter-gather-tensors-in-pipeline:
+    each tensor rank sends half of every activation and gradient and the
+    receivers all-gather; losses, gradients and weights equal those of sending
+    whole tensors, with dropout on, in 1F1B, zero-bubble + ZeRO-1, interleaved
+    and MoE."""
+    variants = {"whole": [], "scatter-gather": ["--scatter-gather-tensors-in-pipeline"]}
     results = run_ranks(train_variants, 4, GPT_FLAGS + layout, variants, str(tmp_path),
                         timeout=400)
     assert_variants_identical(results, list(variants))

@@ -94,8 +94,8 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
                            iter([(x.to(device), y) for x, y in micro]), loss_fn,
                            tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
                            parallel_state=state, forward_only=not backward,
-                           scatter_gather=not (cfg.parallel.sequence_parallel
-                                               or cfg.parallel.no_scatter_gather_tensors_in_pipeline))
+                           scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline
+                                           and not cfg.parallel.sequence_parallel))
     if backward and isinstance(run.schedule, AdaptiveSchedule):
         run.schedule.observe(res)
     # Last stage: the sum of its microbatch losses; every tensor rank holds the
