@@ -4,7 +4,7 @@
 
 Runs examples/cpp/train_gpt.cc (torchrun --no-python) and
 examples/pretrain_gpt.py with the same flags, round-robin, on 4 CPU ranks
-(TP2 x DP2 and TP4), and reports the median step time of iterations 2.. of
+(TP2 x DP2 exact and with int8 + ZeRO-1, and TP4), and reports the median step time of iterations 2.. of
 each run (the loss of both must agree: it is the same training).
 """
 
@@ -54,10 +54,13 @@ def main():
     from megatronapp.data import default_corpus
 
     layouts = {"TP2 x DP2": ["--tensor-model-parallel-size", "2"],
+               "TP2 x DP2, int8, ZeRO-1": ["--tensor-model-parallel-size", "2",
+                                           "--grad-compression", "int8",
+                                           "--use-distributed-optimizer"],
                "TP4": ["--tensor-model-parallel-size", "4"]}
     print(f"GPT 4 layers, hidden 256, 8 heads, sequence 128, global batch 16, 4 CPU ranks, "
           f"{a.iters} iterations, {a.repeats} repeats (median step of iterations 2..):")
-    print(f"{'layout':<10} {'python s/step':>14} {'c++ s/step':>11} {'c++ vs python':>14} "
+    print(f"{'layout':<24} {'python s/step':>14} {'c++ s/step':>11} {'c++ vs python':>14} "
           f"{'final loss py / c++':>22}")
     for name, flags in layouts.items():
         common = MODEL + flags + ["--train-iters", str(a.iters), "--data-path", default_corpus()]
@@ -73,7 +76,7 @@ def main():
             cc.append(statistics.median(s_cc))
             losses = (l_py, l_cc)
         mp, mc = statistics.median(py), statistics.median(cc)
-        print(f"{name:<10} {mp:>14.4f} {mc:>11.4f} {mp / mc:>13.2f}x "
+        print(f"{name:<24} {mp:>14.4f} {mc:>11.4f} {mp / mc:>13.2f}x "
               f"{losses[0]:>10.5f} / {losses[1]:.5f}")
 
 

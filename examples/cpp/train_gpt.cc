@@ -7,11 +7,12 @@
 // What it does per iteration, as megatronapp.training.train_step: the global
 // batch of random windows keyed by (seed, iteration) from the byte-tokenized
 // text (95% train), this data-parallel rank's microbatches, forward and
-// backward of each (loss / microbatches), gradients averaged over dp x cp,
-// sequence-parallel partial sums over tp, one global norm and clipping,
-// AdamW (betas 0.9, 0.95; weight decay on matrices only) at the warm-up +
-// cosine learning rate. Not yet: pipeline parallelism, the bucketed and
-// compressed DDP, ZeRO-1, checkpoints (docs/cpp.md).
+// backward of each (loss / microbatches), gradients averaged over dp x cp by
+// mapp::DistributedDataParallel (buckets reduced during the last backward,
+// --grad-compression with error feedback), sequence-parallel partial sums over
+// tp, one global norm and clipping, AdamW (betas 0.9, 0.95; weight decay on
+// matrices only; ZeRO-1 with --use-distributed-optimizer) at the warm-up +
+// cosine learning rate. Not yet: pipeline parallelism, checkpoints (docs/cpp.md).
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -27,7 +28,9 @@
 #include <string>
 #include <vector>
 
+#include "mapp/codec/codec.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/ddp.h"
 #include "mapp/torch/dist.h"
 #include "mapp/torch/gpt.h"
 #include "mapp/torch/ops.h"
@@ -42,7 +45,10 @@ struct Args {
   int make_vocab_size_divisible_by = 128;
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.01, clip_grad = 1.0;
   double hidden_dropout = 0.0, attention_dropout = 0.0, init_method_std = 0.02;
-  bool sequence_parallel = false;
+  bool sequence_parallel = false, use_distributed_optimizer = false, no_overlap_grad_reduce = false;
+  std::string grad_compression = "none";
+  int grad_compression_start_iter = 0;
+  double bucket_size_mb = 25.0;
   std::string data_path, loss_csv;
 };
 
@@ -107,6 +113,15 @@ int main(int argc, char** argv) {
   app.add_option("--hidden-dropout", a.hidden_dropout);
   app.add_option("--attention-dropout", a.attention_dropout);
   app.add_flag("--sequence-parallel", a.sequence_parallel);
+  app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
+               "ZeRO-1: shard optimizer state over data-parallel ranks");
+  app.add_option("--grad-compression", a.grad_compression,
+                 "none, bf16, fp16, int8[:block], onebit[:block], topk:<ratio>, powersgd:<rank>");
+  app.add_option("--grad-compression-start-iter", a.grad_compression_start_iter,
+                 "run uncompressed for the first N iterations");
+  app.add_option("--bucket-size-mb", a.bucket_size_mb, "gradient bucket size");
+  app.add_flag("--no-overlap-grad-reduce", a.no_overlap_grad_reduce,
+               "reduce gradients at the end of backward instead of during it");
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
   app.add_option("--loss-csv", a.loss_csv,
@@ -119,6 +134,7 @@ int main(int argc, char** argv) {
           "use examples/pretrain_gpt.py");
     if (a.hidden_dropout != 0.0 || a.attention_dropout != 0.0)
       throw mapp::ValueError("train_gpt: dropout is not available from C++ yet; pass 0");
+    mapp::codec::Spec::parse(a.grad_compression);  // an unknown codec fails before any rendezvous
     const auto st = mapp::dist::init_from_env({.tp = a.tp, .pp = a.pp, .cp = a.cp});
     const int dp = st.dp_size();
     if (a.global_batch_size % (a.micro_batch_size * dp))
@@ -141,32 +157,27 @@ int main(int argc, char** argv) {
     cfg.init_method_std = a.init_method_std;
     cfg.sequence_parallel = a.sequence_parallel;
     mapp::nn::GPTModel model(cfg, st, a.seed);
+    mapp::DistributedDataParallel ddp(model.ptr(), st,
+                                      {.bucket_size_mb = a.bucket_size_mb,
+                                       .compression = a.grad_compression,
+                                       .compression_start_iter = a.grad_compression_start_iter,
+                                       .overlap_grad_reduce = !a.no_overlap_grad_reduce});
 
-    // AdamW, weight decay on matrices only.
-    std::vector<at::Tensor> matrices, vectors;
-    for (const auto& p : model->parameters()) (p.dim() >= 2 ? matrices : vectors).push_back(p);
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(
-        matrices,
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay)));
-    groups.emplace_back(vectors,
-                        std::make_unique<torch::optim::AdamWOptions>(
-                            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.0)));
-    torch::optim::AdamW opt(std::move(groups));
-    // Which gradients count in the norm: tensor-parallel shards on every tensor
-    // rank, replicated parameters once; which are partial sums under SP.
-    std::vector<at::Tensor> sharded, replicated, sp_partial;
-    for (const auto& item : model->named_parameters()) {
-      const std::string& n = item.key();
-      const bool tp_split =
-          n.find("qkv.") != std::string::npos || n.find("fc1.") != std::string::npos ||
-          n.find("word_embeddings") != std::string::npos ||
-          ((n.find("proj.") != std::string::npos || n.find("fc2.") != std::string::npos) &&
-           n.find("weight") != std::string::npos);
-      (tp_split ? sharded : replicated).push_back(item.value());
-      if (cfg.sequence_parallel && !tp_split && n.find("position_embeddings") == std::string::npos)
-        sp_partial.push_back(item.value());
+    // AdamW, weight decay on matrices only; ZeRO-1 shards it over dp.
+    std::vector<mapp::ParamGroup> groups(2);
+    for (const auto& p : model->parameters()) groups[p.dim() >= 2 ? 0 : 1].params.push_back(p);
+    groups[0].options =
+        torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay);
+    groups[1].options = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.0);
+    std::unique_ptr<mapp::DistributedOptimizer> zero;
+    std::unique_ptr<torch::optim::AdamW> adamw;
+    if (a.use_distributed_optimizer) {
+      zero = std::make_unique<mapp::DistributedOptimizer>(ddp, groups, st);
+    } else {
+      std::vector<torch::optim::OptimizerParamGroup> inner;
+      for (const auto& g : groups)
+        inner.emplace_back(g.params, std::make_unique<torch::optim::AdamWOptions>(g.options));
+      adamw = std::make_unique<torch::optim::AdamW>(std::move(inner));
     }
     std::ofstream csv;
     if (st.rank() == 0 && !a.loss_csv.empty()) {
@@ -177,15 +188,21 @@ int main(int argc, char** argv) {
     for (int it = 0; it < a.train_iters; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
       const double lr = lr_at(a, it);
-      for (auto& group : opt.param_groups())
-        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      opt.zero_grad();
+      if (zero) {
+        zero->set_lr(lr);
+        zero->zero_grad();
+      } else {
+        for (auto& group : adamw->param_groups())
+          static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+        ddp.zero_grad_buffer();
+      }
       const at::Tensor window = global_batch(stream, it, a);
       at::Tensor total = at::zeros({1}, at::kDouble);
       for (int m = 0; m < micro; ++m) {
         const std::int64_t lo =
             (static_cast<std::int64_t>(m) * dp + st.dp_rank()) * a.micro_batch_size;
         const at::Tensor rows = window.slice(0, lo, lo + a.micro_batch_size);
+        ddp.set_sync(m == micro - 1);  // accumulate; reduce during the last backward
         const at::Tensor logits = model->forward(rows.slice(1, 0, a.seq_length));  // [b, s, V/tp]
         const at::Tensor loss =
             mapp::nn::vocab_parallel_cross_entropy(logits.transpose(0, 1).to(at::kFloat),
@@ -194,30 +211,17 @@ int main(int argc, char** argv) {
         (loss / micro).backward();
         if (st.tp_rank() == 0) total += loss.detach().to(at::kDouble);
       }
-      // Gradients: the data (x context) average, the sequence-parallel sums.
-      const int dpc = dp * st.cp_size();
-      if (dpc > 1)
-        for (auto& p : model->parameters()) {
-          mapp::torch_ext::all_reduce_sum_(p.mutable_grad(), st.data_context_group());
-          p.mutable_grad().mul_(1.0 / dpc);
-        }
-      for (auto& p : sp_partial) mapp::torch_ext::all_reduce_sum_(p.mutable_grad(), g_tp);
-      // One global norm (float64 sum of squared per-tensor norms) and clipping.
-      std::vector<at::Tensor> counted;
-      for (auto& p : sharded) counted.push_back(p.grad());
-      if (st.tp_rank() == 0)
-        for (auto& p : replicated) counted.push_back(p.grad());
-      at::Tensor sq = at::zeros({1}, at::kDouble);
-      if (!counted.empty())
-        sq += at::stack(at::_foreach_norm(counted)).to(at::kDouble).square().sum();
-      mapp::torch_ext::all_reduce_sum_(sq, st.model_group());
-      const double norm = std::sqrt(sq.item<double>());
-      if (a.clip_grad > 0 && norm > a.clip_grad) {
-        std::vector<at::Tensor> grads;
-        for (auto& p : model->parameters()) grads.push_back(p.grad());
-        at::_foreach_mul_(grads, a.clip_grad / (norm + 1e-6));
+      // The data-parallel average (waits for the buckets), the
+      // sequence-parallel sums, one global norm and clipping, the update.
+      double norm;
+      if (zero) {
+        norm = zero->clip_grad_norm(a.clip_grad);
+        zero->step();
+      } else {
+        norm = mapp::finish_gradients(ddp, st, a.clip_grad);
+        adamw->step();
       }
-      opt.step();
+      const int dpc = dp * st.cp_size();
       mapp::torch_ext::all_reduce_sum_(total, st.world_group());
       const double mean = total.item<double>() / (micro * dpc);
       const double secs =

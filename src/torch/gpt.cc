@@ -133,6 +133,10 @@ TransformerLayerImpl::TransformerLayerImpl(const GPTConfig& cfg, const dist::Par
   attn = register_module("attn", ParallelAttention(cfg, st, output_std));
   ln2 = register_module("ln2", ln());
   mlp = register_module("mlp", ParallelMLP(cfg, st, output_std));
+  if (cfg.sequence_parallel && st.tp_size() > 1) {  // LayerNorms see a sequence shard
+    mark_sequence_parallel(*ln1);
+    mark_sequence_parallel(*ln2);
+  }
 }
 
 at::Tensor TransformerLayerImpl::forward(const at::Tensor& x) {
@@ -171,6 +175,7 @@ GPTModelImpl::GPTModelImpl(GPTConfig cfg, const dist::ParallelState& st, std::in
         torch::nn::LayerNorm(
             torch::nn::LayerNormOptions({config.hidden_size}).eps(config.layernorm_epsilon)));
   });
+  if (config.sequence_parallel) mark_sequence_parallel(*final_layernorm);
 }
 
 at::Tensor GPTModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& labels) {

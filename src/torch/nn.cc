@@ -6,7 +6,10 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <iterator>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "mapp/common/check.h"
@@ -169,6 +172,45 @@ at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::s
   return torch_ext::group_size(group) == 1 ? x : ReduceScatterToSP::apply(x, group);
 }
 
+namespace {
+struct AttrEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;  // the entry is stale once this expired
+  ParamAttrs attrs;
+};
+std::mutex attrs_mu;
+std::unordered_map<const c10::TensorImpl*, AttrEntry>& attr_table() {
+  static auto* table = new std::unordered_map<const c10::TensorImpl*, AttrEntry>();
+  return *table;
+}
+}  // namespace
+
+void set_param_attrs(const at::Tensor& param, const ParamAttrs& attrs) {
+  MAPP_CHECK(param.defined(), "set_param_attrs: undefined tensor");
+  std::lock_guard<std::mutex> lock(attrs_mu);
+  auto& table = attr_table();
+  for (auto it = table.begin(); it != table.end();)  // drop entries of freed tensors
+    it = it->second.impl.expired() ? table.erase(it) : std::next(it);
+  table.insert_or_assign(
+      param.unsafeGetTensorImpl(),
+      AttrEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), attrs});
+}
+
+ParamAttrs param_attrs(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(attrs_mu);
+  const auto& table = attr_table();
+  const auto it = table.find(param.unsafeGetTensorImpl());
+  if (it == table.end() || it->second.impl.expired()) return {};
+  return it->second.attrs;
+}
+
+void mark_sequence_parallel(torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) {
+    ParamAttrs a = param_attrs(p);
+    a.sequence_parallel = true;
+    set_param_attrs(p, a);
+  }
+}
+
 at::Tensor sharded_parameter(at::IntArrayRef shape, int partition_dim, int tp_size, int tp_rank,
                              const InitMethod& init, at::ScalarType dtype) {
   at::Tensor full = at::empty(shape, at::kFloat);
@@ -181,7 +223,10 @@ at::Tensor sharded_parameter(at::IntArrayRef shape, int partition_dim, int tp_si
                " cannot be split ", tp_size, " ways along dim ", partition_dim);
     full = full.chunk(tp_size, partition_dim)[tp_rank].clone(at::MemoryFormat::Contiguous);
   }
-  return full.to(dtype);
+  at::Tensor param = full.to(dtype);
+  if (partition_dim >= 0)
+    set_param_attrs(param, {.tensor_parallel = true, .partition_dim = partition_dim});
+  return param;
 }
 
 void linear_weight_init(at::Tensor& weight) {
@@ -230,6 +275,9 @@ RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& o,
     bias = register_parameter(
         "bias", sharded_parameter({o.out_features()}, -1, state.tp_size(), state.tp_rank(),
                                   bias_init(o.init_method(), o.in_features()), o.dtype()));
+  // Added after the reduce-scatter: each rank sees its sequence shard only.
+  if (o.bias() && o.sequence_parallel() && state.tp_size() > 1)
+    set_param_attrs(bias, {.sequence_parallel = true});
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {

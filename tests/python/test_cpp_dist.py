@@ -227,12 +227,26 @@ def _losses(path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world,flags", [(4, ["--tensor-model-parallel-size", "2"]),
-                                         (2, ["--tensor-model-parallel-size", "2",
-                                              "--sequence-parallel"])])
+@pytest.mark.parametrize("world,flags", [
+    (4, ["--tensor-model-parallel-size", "2"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # the issue's case: int8 with error feedback, ZeRO-1
+    (4, ["--tensor-model-parallel-size", "2", "--grad-compression", "int8",
+         "--use-distributed-optimizer"]),
+    # small buckets (several per key), SP partial sums on ZeRO shards, a warm-up
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bucket-size-mb", "0.05",
+         "--grad-compression", "int8", "--grad-compression-start-iter", "3",
+         "--use-distributed-optimizer"]),
+    # PowerSGD (its Q seeded per bucket), DP4 without ZeRO, reduced at the end of backward
+    (4, ["--grad-compression", "powersgd:2", "--bucket-size-mb", "0.1",
+         "--no-overlap-grad-reduce"]),
+], ids=["tp2-dp2", "tp2-sp", "tp2-dp2-int8-zero1", "tp2-sp-dp2-buckets-int8-warmup-zero1",
+        "dp4-powersgd"])
 def test_cpp_trainer_gives_pretrain_gpt_losses(tmp_path, world, flags):
     """examples/cpp/train_gpt.cc against examples/pretrain_gpt.py: the same
-    loss at each of the first 20 steps within 1e-5 (fp32)."""
+    loss at each of the first 20 steps within 1e-5 (fp32), with the C++ DDP
+    (the Python bucket layout, so a lossy codec quantizes the same blocks)
+    and the C++ ZeRO-1 optimizer."""
     from megatronapp.data import default_corpus
 
     common = GPT_FLAGS + flags + ["--data-path", default_corpus()]
@@ -254,5 +268,8 @@ def test_cpp_trainer_refuses_what_it_cannot_do_yet():
     p = subprocess.run([TRAIN_GPT, "--pipeline-model-parallel-size", "2", "--data-path", "x"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "pipeline and context parallelism" in p.stderr, p.stderr
+    p = subprocess.run([TRAIN_GPT, "--grad-compression", "int9", "--data-path", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "int9" in p.stderr and "powersgd" in p.stderr, p.stderr
     p = subprocess.run([TRAIN_GPT], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--data-path" in p.stderr + p.stdout

@@ -29,6 +29,23 @@
 
 namespace mapp::nn {
 
+// ---- what the training pieces need to know of a parameter -------------------------------
+// The Python layers keep these as tensor attributes (tensor_model_parallel,
+// partition_dim, sequence_parallel, shared_embedding); a C++ tensor carries
+// them here, keyed by the parameter's TensorImpl (set_data keeps it, so ZeRO-1
+// buffers do not lose them). sharded_parameter marks its shards; the layers
+// mark sequence-parallel partial sums.
+struct ParamAttrs {
+  bool tensor_parallel = false;    // a shard along partition_dim: counts on every tensor rank
+  int partition_dim = -1;          // the dim split over the tensor group (-1: replicated)
+  bool sequence_parallel = false;  // replicated, fed a sequence shard: its gradient is partial
+  bool shared_embedding = false;   // tied word embeddings on the first and last stage
+};
+void set_param_attrs(const at::Tensor& param, const ParamAttrs& attrs);
+ParamAttrs param_attrs(const at::Tensor& param);  // defaults for an unmarked tensor
+// Marks every parameter of `module` as a sequence-parallel partial sum.
+void mark_sequence_parallel(torch::nn::Module& module);
+
 // ---- tensor-parallel mappings (autograd) -----------------------------------------------
 // forward identity, backward all-reduce (the input of a column-parallel layer)
 at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const std::string& group);
