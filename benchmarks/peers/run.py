@@ -132,6 +132,10 @@ CONFIGS = {
                                 ENV_FLAG + "MAPP_SHM_P2P=1"], True),
     "ours-pp-sp": ("ours", "ours: TP2 x PP2 zero-bubble, SP, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--sequence-parallel", "--memory-pool"], True),
+    # Sequence shards between stages: half the pipeline-link bytes without
+    # the scatter/gather's extra synchronization.
+    "ours-pp-sp-1f1b": ("ours", "ours: TP2 x PP2 1F1B, SP, pool", TP2 + PP2 + [
+        "--pipeline-schedule", "1f1b", "--sequence-parallel", "--memory-pool"], True),
 }
 SUITES = {
     "peers": ["torch-ddp", "torch-fsdp2", "torch-tp2-ddp", "torch-pp", "torch-zb",
@@ -140,7 +144,7 @@ SUITES = {
               "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
     # make bench-step: ours against Megatron-Core, like for like (issue 26).
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
-             "ours-pp-1f1b", "ours-pp-1f1b-sg", "ours-pp", "ours-dp-exact",
+             "ours-pp-1f1b", "ours-pp-1f1b-sg", "ours-pp-sp-1f1b", "ours-pp", "ours-dp-exact",
              "ours-pp4-1f1b", "ours-pp4"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
