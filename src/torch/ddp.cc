@@ -94,6 +94,13 @@ double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
   return norm;
 }
 
+// [lo, hi) of ZeRO-1 bucket b (padded to equal chunks) that this rank owns.
+std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b) {
+  const std::int64_t chunk = b.param_data.numel() / torch_ext::group_size(b.group);
+  const std::int64_t lo = torch_ext::group_rank(b.group) * chunk;
+  return {lo, lo + chunk};
+}
+
 }  // namespace
 
 double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState& state,
@@ -122,7 +129,6 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   MAPP_CHECK(options_.bucket_size_mb > 0, "DistributedDataParallel: bucket_size_mb must be ",
              "positive, got ", options_.bucket_size_mb);
   codec::Spec::parse(options_.compression);  // a clear error for an unknown codec, here
-  world_ = static_cast<int>(torch_ext::group_size(group_));
   exact_replicated_ = state.tp_size() > 1;
   at::NoGradGuard no_grad;
   std::ostringstream desc;
@@ -132,7 +138,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                "; mixed precision from C++ is not available yet");
     desc << p.sizes() << p.requires_grad() << ';';
   }
-  if (world_ > 1) {
+  if (torch_ext::group_size(group_) > 1) {
     // Every replica must hold the same model (else the buckets would not match).
     const at::Tensor mine = at::full({1}, static_cast<std::int64_t>(fnv1a(desc.str())), at::kLong);
     const at::Tensor all = torch_ext::all_gather(mine, 0, group_);
@@ -366,9 +372,7 @@ DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
     for (const auto& p : groups[g].params) group_of[p.unsafeGetTensorImpl()] = g;
   std::vector<std::vector<at::Tensor>> by_group(groups.size());
   for (auto& b : ddp_.buckets()) {
-    const std::int64_t world = torch_ext::group_size(b.group);
-    const std::int64_t chunk = b.param_data.numel() / world;
-    const std::int64_t s_lo = torch_ext::group_rank(b.group) * chunk, s_hi = s_lo + chunk;
+    const auto [s_lo, s_hi] = chunk_range(b);
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       const std::int64_t off = b.offsets[i];
       const std::int64_t lo = std::max(off, s_lo), hi = std::min(off + b.params[i].numel(), s_hi);
@@ -418,10 +422,8 @@ void DistributedOptimizer::step() {
   at::NoGradGuard no_grad;
   for (auto& pc : pieces_) pc.bucket->param_data.slice(0, pc.lo, pc.hi).copy_(pc.main);
   for (auto& b : ddp_.buckets()) {
-    const std::int64_t world = torch_ext::group_size(b.group);
-    const std::int64_t chunk = b.param_data.numel() / world;
-    const std::int64_t lo = torch_ext::group_rank(b.group) * chunk;
-    b.param_data.copy_(torch_ext::all_gather(b.param_data.slice(0, lo, lo + chunk), 0, b.group));
+    const auto [lo, hi] = chunk_range(b);
+    b.param_data.copy_(torch_ext::all_gather(b.param_data.slice(0, lo, hi), 0, b.group));
   }
   finished_ = false;
 }

@@ -112,7 +112,6 @@ class DistributedDataParallel {
   std::shared_ptr<torch::nn::Module> module_;
   DDPOptions options_;
   std::string group_;
-  int world_ = 1;
   bool exact_replicated_ = false;
   std::vector<GradBucket> buckets_;
   std::size_t next_bucket_ = 0;
