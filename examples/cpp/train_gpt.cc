@@ -12,7 +12,10 @@
 // --grad-compression with error feedback), sequence-parallel partial sums over
 // tp, one global norm and clipping, AdamW (betas 0.9, 0.95; weight decay on
 // matrices only; ZeRO-1 with --use-distributed-optimizer) at the warm-up +
-// cosine learning rate. Not yet: pipeline parallelism, checkpoints (docs/cpp.md).
+// cosine learning rate. With --pipeline-model-parallel-size the model is split
+// into stages (virtual stages with --virtual-pipeline-model-parallel-size) and
+// each step runs the --pipeline-schedule through mapp::forward_backward, as
+// pretrain_gpt.py does. Not yet: checkpoints (docs/cpp.md).
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -34,12 +37,15 @@
 #include "mapp/torch/dist.h"
 #include "mapp/torch/gpt.h"
 #include "mapp/torch/ops.h"
+#include "mapp/torch/pipeline.h"
 
 namespace {
 
 struct Args {
   int tp = 1, pp = 1, cp = 1;
   int num_layers = 4, hidden_size = 256, num_attention_heads = 8, seq_length = 128;
+  int vpp = 0, pipeline_memory_limit = -1, pipeline_replan_interval = 20;
+  std::string pipeline_schedule = "1f1b", pipeline_dynamic_policy = "adaptive";
   int ffn_hidden_size = 0, micro_batch_size = 4, global_batch_size = 16;
   int train_iters = 100, lr_warmup_iters = 10, log_interval = 10, seed = 1234;
   int make_vocab_size_divisible_by = 128;
@@ -94,6 +100,16 @@ int main(int argc, char** argv) {
   app.add_option("--tensor-model-parallel-size", a.tp);
   app.add_option("--pipeline-model-parallel-size", a.pp);
   app.add_option("--context-parallel-size", a.cp);
+  app.add_option("--virtual-pipeline-model-parallel-size", a.vpp,
+                 "model chunks per pipeline stage (interleaved / dynamic schedules)");
+  app.add_option("--pipeline-schedule", a.pipeline_schedule,
+                 "gpipe, 1f1b, interleaved, zero-bubble, dynamic");
+  app.add_option("--pipeline-dynamic-policy", a.pipeline_dynamic_policy,
+                 "planner policy of --pipeline-schedule dynamic: dfc, bfc, auto, adaptive");
+  app.add_option("--pipeline-memory-limit", a.pipeline_memory_limit,
+                 "dynamic schedule: live activations per stage (microbatch x chunk)");
+  app.add_option("--pipeline-replan-interval", a.pipeline_replan_interval,
+                 "dynamic adaptive: re-plan from measured times every N steps");
   app.add_option("--num-layers", a.num_layers);
   app.add_option("--hidden-size", a.hidden_size);
   app.add_option("--num-attention-heads", a.num_attention_heads);
@@ -128,13 +144,25 @@ int main(int argc, char** argv) {
                  "write iteration,loss,lr,grad_norm,seconds here (rank 0)");
   CLI11_PARSE(app, argc, argv);
   try {
-    if (a.pp != 1 || a.cp != 1)
+    if (a.cp != 1)
       throw mapp::ValueError(
-          "train_gpt: pipeline and context parallelism are not available from C++ yet; "
-          "use examples/pretrain_gpt.py");
+          "train_gpt: context parallelism is not available from C++ yet; use "
+          "examples/pretrain_gpt.py");
+    const int v = a.vpp > 0 ? a.vpp : 1;
+    if (a.vpp > 1 && a.pp == 1)
+      throw mapp::ValueError(
+          "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1");
+    if (a.num_layers % (a.pp * v) != 0)
+      throw mapp::ValueError("--num-layers " + std::to_string(a.num_layers) +
+                             " does not divide evenly over " + std::to_string(a.pp * v) +
+                             " virtual pipeline stages (" + std::to_string(a.pp) + " stages x " +
+                             std::to_string(v) + " chunks)");
     if (a.hidden_dropout != 0.0 || a.attention_dropout != 0.0)
       throw mapp::ValueError("train_gpt: dropout is not available from C++ yet; pass 0");
     mapp::codec::Spec::parse(a.grad_compression);  // an unknown codec fails before any rendezvous
+    // so do a schedule name, policy or chunk count that cannot run
+    mapp::make_schedule(a.pipeline_schedule, a.pp, a.pp * v, v, a.pipeline_dynamic_policy,
+                        a.pipeline_memory_limit);
     const auto st = mapp::dist::init_from_env({.tp = a.tp, .pp = a.pp, .cp = a.cp});
     const int dp = st.dp_size();
     if (a.global_batch_size % (a.micro_batch_size * dp))
@@ -143,6 +171,13 @@ int main(int argc, char** argv) {
                              std::to_string(a.micro_batch_size) + ") x data-parallel size (" +
                              std::to_string(dp) + ")");
     const int micro = a.global_batch_size / (a.micro_batch_size * dp);
+    // The schedule (validated before any model is built); dynamic adaptive re-plans.
+    std::unique_ptr<mapp::AdaptiveSchedule> adaptive;
+    mapp::pipeline::Schedule schedule = mapp::make_schedule(
+        a.pipeline_schedule, a.pp, micro, v, a.pipeline_dynamic_policy, a.pipeline_memory_limit);
+    if (a.pp > 1 && a.pipeline_schedule == "dynamic" && a.pipeline_dynamic_policy == "adaptive")
+      adaptive = std::make_unique<mapp::AdaptiveSchedule>(a.pp, micro, v, a.pipeline_memory_limit,
+                                                          a.pipeline_replan_interval, st);
     torch::manual_seed(a.seed);
     const at::Tensor stream = train_tokens(a.data_path, a.seq_length);
 
@@ -156,23 +191,44 @@ int main(int argc, char** argv) {
     cfg.ffn_hidden_size = a.ffn_hidden_size;
     cfg.init_method_std = a.init_method_std;
     cfg.sequence_parallel = a.sequence_parallel;
-    mapp::nn::GPTModel model(cfg, st, a.seed);
-    mapp::DistributedDataParallel ddp(model.ptr(), st,
-                                      {.bucket_size_mb = a.bucket_size_mb,
-                                       .compression = a.grad_compression,
-                                       .compression_start_iter = a.grad_compression_start_iter,
-                                       .overlap_grad_reduce = !a.no_overlap_grad_reduce});
+    // This rank's chunks: chunk c is virtual stage c * pp + pp_rank, with its
+    // share of the layers (global numbers: the same weights at every pp).
+    const int per = a.num_layers / (a.pp * v);
+    std::vector<mapp::nn::GPTModel> chunks;
+    std::vector<std::unique_ptr<mapp::DistributedDataParallel>> ddps;
+    std::vector<mapp::DistributedDataParallel*> ddp_ptrs;
+    std::vector<mapp::PipelineChunk> stages;
+    for (int c = 0; c < v; ++c) {
+      const int vs = c * a.pp + st.pp_rank();
+      mapp::nn::GPTStage part{.pre_process = vs == 0, .post_process = vs == a.pp * v - 1};
+      for (int i = 0; i < per; ++i) part.layer_numbers.push_back(vs * per + i);
+      chunks.emplace_back(cfg, st, a.seed, part);
+      ddps.push_back(std::make_unique<mapp::DistributedDataParallel>(
+          chunks.back().ptr(), st,
+          mapp::DDPOptions{.bucket_size_mb = a.bucket_size_mb,
+                           .compression = a.grad_compression,
+                           .compression_start_iter = a.grad_compression_start_iter,
+                           .overlap_grad_reduce = !a.no_overlap_grad_reduce}));
+      ddp_ptrs.push_back(ddps.back().get());
+      mapp::nn::GPTModel model = chunks.back();
+      stages.push_back(
+          {[model](const at::Tensor& x) mutable { return model->forward(x); }, ddps.back().get()});
+    }
+    const std::int64_t seq_between = a.sequence_parallel ? a.seq_length / a.tp : a.seq_length;
+    const mapp::PipelineOptions pipe{
+        .tensor_shape = {seq_between, a.micro_batch_size, a.hidden_size}};
 
     // AdamW, weight decay on matrices only; ZeRO-1 shards it over dp.
     std::vector<mapp::ParamGroup> groups(2);
-    for (const auto& p : model->parameters()) groups[p.dim() >= 2 ? 0 : 1].params.push_back(p);
+    for (const auto& model : chunks)
+      for (const auto& p : model->parameters()) groups[p.dim() >= 2 ? 0 : 1].params.push_back(p);
     groups[0].options =
         torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay);
     groups[1].options = torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.0);
     std::unique_ptr<mapp::DistributedOptimizer> zero;
     std::unique_ptr<torch::optim::AdamW> adamw;
     if (a.use_distributed_optimizer) {
-      zero = std::make_unique<mapp::DistributedOptimizer>(ddp, groups, st);
+      zero = std::make_unique<mapp::DistributedOptimizer>(ddp_ptrs, groups, st);
     } else {
       std::vector<torch::optim::OptimizerParamGroup> inner;
       for (const auto& g : groups)
@@ -194,23 +250,28 @@ int main(int argc, char** argv) {
       } else {
         for (auto& group : adamw->param_groups())
           static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-        ddp.zero_grad_buffer();
+        for (auto* ddp : ddp_ptrs) ddp->zero_grad_buffer();
       }
       const at::Tensor window = global_batch(stream, it, a);
-      at::Tensor total = at::zeros({1}, at::kDouble);
-      for (int m = 0; m < micro; ++m) {
+      auto rows = [&](int m) {
         const std::int64_t lo =
             (static_cast<std::int64_t>(m) * dp + st.dp_rank()) * a.micro_batch_size;
-        const at::Tensor rows = window.slice(0, lo, lo + a.micro_batch_size);
-        ddp.set_sync(m == micro - 1);  // accumulate; reduce during the last backward
-        const at::Tensor logits = model->forward(rows.slice(1, 0, a.seq_length));  // [b, s, V/tp]
-        const at::Tensor loss =
-            mapp::nn::vocab_parallel_cross_entropy(logits.transpose(0, 1).to(at::kFloat),
-                                                   rows.slice(1, 1).transpose(0, 1), g_tp)
+        return window.slice(0, lo, lo + a.micro_batch_size);
+      };
+      const mapp::PipelineResult res = mapp::forward_backward(
+          adaptive ? adaptive->schedule() : schedule, stages,
+          [&](int m) { return rows(m).slice(1, 0, a.seq_length); },
+          [&](const at::Tensor& logits, int m) {  // [b, s, V/tp]: the mean token loss
+            return mapp::nn::vocab_parallel_cross_entropy(logits.transpose(0, 1).to(at::kFloat),
+                                                          rows(m).slice(1, 1).transpose(0, 1), g_tp)
                 .mean();
-        (loss / micro).backward();
-        if (st.tp_rank() == 0) total += loss.detach().to(at::kDouble);
-      }
+          },
+          st, pipe);
+      if (adaptive) adaptive->observe(res);
+      // The last stage's microbatch losses; tensor rank 0 counts them.
+      at::Tensor total = at::zeros({1}, at::kDouble);
+      if (!res.losses.empty() && st.tp_rank() == 0)
+        total += at::stack(res.losses).to(at::kDouble).sum();
       // The data-parallel average (waits for the buckets), the
       // sequence-parallel sums, one global norm and clipping, the update.
       double norm;
@@ -218,7 +279,7 @@ int main(int argc, char** argv) {
         norm = zero->clip_grad_norm(a.clip_grad);
         zero->step();
       } else {
-        norm = mapp::finish_gradients(ddp, st, a.clip_grad);
+        norm = mapp::finish_gradients(ddp_ptrs, st, a.clip_grad);
         adamw->step();
       }
       const int dpc = dp * st.cp_size();

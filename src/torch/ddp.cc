@@ -32,8 +32,9 @@ class ReadyHook : public torch::autograd::PostAccumulateGradHook {
  public:
   ReadyHook(std::weak_ptr<bool> alive, std::function<void()> ready)
       : alive_(std::move(alive)), ready_(std::move(ready)) {}
-  void operator()(const torch::autograd::Variable&) override {
-    if (!alive_.expired()) ready_();
+  void operator()(const torch::autograd::Variable& param) override {
+    // A weight gradient put aside by a zero-bubble BI is not ready: its W is.
+    if (!alive_.expired() && !nn::is_deferred(param)) ready_();
   }
 
  private:
@@ -74,6 +75,17 @@ void add_sequence_parallel_sums(const Pairs& pairs, const dist::ParallelState& s
   flat_all_reduce(sp, st.tensor_group());
 }
 
+// Tied word embeddings on the first and last pipeline stage: their gradients
+// (or ZeRO-1 shards: the embedding has its own bucket, so the same slice on
+// both stages) are summed over the embedding group.
+void add_embedding_sums(const Pairs& pairs, const dist::ParallelState& st) {
+  if (st.pp_size() == 1 || st.embedding_group().empty()) return;
+  std::vector<at::Tensor> shared;
+  for (const auto& [p, g] : pairs)
+    if (nn::param_attrs(p).shared_embedding) shared.push_back(g);
+  flat_all_reduce(shared, st.embedding_group());
+}
+
 // The global L2 norm (tensor-parallel shards counted on every tensor rank,
 // replicated parameters on tensor rank 0; float64 sum of squared per-tensor
 // norms over `groups`), then clipping to max_norm (0: none). Returns the norm
@@ -83,7 +95,9 @@ double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
   std::vector<at::Tensor> counted, all;
   for (const auto& [p, g] : pairs) {
     all.push_back(g);
-    if (nn::param_attrs(p).tensor_parallel || st.tp_rank() == 0) counted.push_back(g);
+    const nn::ParamAttrs a = nn::param_attrs(p);
+    if (a.shared_embedding_replica) continue;  // the first stage counts it
+    if (a.tensor_parallel || st.tp_rank() == 0) counted.push_back(g);
   }
   at::Tensor sq = at::zeros({1}, at::kDouble);
   if (!counted.empty()) sq += at::stack(at::_foreach_norm(counted)).to(at::kDouble).square().sum();
@@ -103,17 +117,25 @@ std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b) {
 
 }  // namespace
 
+double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
+                        const dist::ParallelState& state, double max_norm) {
+  at::NoGradGuard no_grad;
+  Pairs pairs;
+  for (DistributedDataParallel* ddp : chunks) {
+    MAPP_CHECK(!ddp->uses_distributed_optimizer(),
+               "finish_gradients: the model has a DistributedOptimizer; use its clip_grad_norm");
+    ddp->finish_grad_sync();
+    for (const auto& p : ddp->module().parameters())
+      if (p.grad().defined()) pairs.emplace_back(p, p.grad());
+  }
+  add_sequence_parallel_sums(pairs, state);
+  add_embedding_sums(pairs, state);
+  return clip_by_global_norm(pairs, state, {state.model_group()}, max_norm);
+}
+
 double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState& state,
                         double max_norm) {
-  at::NoGradGuard no_grad;
-  MAPP_CHECK(!ddp.uses_distributed_optimizer(),
-             "finish_gradients: the model has a DistributedOptimizer; use its clip_grad_norm");
-  ddp.finish_grad_sync();
-  Pairs pairs;
-  for (const auto& p : ddp.module().parameters())
-    if (p.grad().defined()) pairs.emplace_back(p, p.grad());
-  add_sequence_parallel_sums(pairs, state);
-  return clip_by_global_norm(pairs, state, {state.model_group()}, max_norm);
+  return finish_gradients(std::vector<DistributedDataParallel*>{&ddp}, state, max_norm);
 }
 
 // ---- DistributedDataParallel --------------------------------------------------------
@@ -364,25 +386,31 @@ void DistributedDataParallel::load_codec_state(const std::map<std::string, at::T
 DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
                                            const std::vector<ParamGroup>& groups,
                                            const dist::ParallelState& state)
-    : ddp_(ddp), state_(state) {
+    : DistributedOptimizer(std::vector<DistributedDataParallel*>{&ddp}, groups, state) {}
+
+DistributedOptimizer::DistributedOptimizer(const std::vector<DistributedDataParallel*>& chunks,
+                                           const std::vector<ParamGroup>& groups,
+                                           const dist::ParallelState& state)
+    : ddps_(chunks), state_(state) {
   MAPP_CHECK(!groups.empty(), "DistributedOptimizer: no parameter groups");
-  ddp_.enable_distributed_optimizer();
+  MAPP_CHECK(!ddps_.empty(), "DistributedOptimizer: no model chunks");
+  for (DistributedDataParallel* ddp : ddps_) ddp->enable_distributed_optimizer();
   std::unordered_map<const c10::TensorImpl*, std::size_t> group_of;
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& p : groups[g].params) group_of[p.unsafeGetTensorImpl()] = g;
   std::vector<std::vector<at::Tensor>> by_group(groups.size());
-  for (auto& b : ddp_.buckets()) {
-    const auto [s_lo, s_hi] = chunk_range(b);
-    for (std::size_t i = 0; i < b.params.size(); ++i) {
-      const std::int64_t off = b.offsets[i];
-      const std::int64_t lo = std::max(off, s_lo), hi = std::min(off + b.params[i].numel(), s_hi);
+  for (auto& b : all_buckets()) {
+    const auto [s_lo, s_hi] = chunk_range(*b);
+    for (std::size_t i = 0; i < b->params.size(); ++i) {
+      const std::int64_t off = b->offsets[i];
+      const std::int64_t lo = std::max(off, s_lo), hi = std::min(off + b->params[i].numel(), s_hi);
       if (lo >= hi) continue;
-      at::Tensor main = b.param_data.slice(0, lo, hi).detach().to(at::kFloat).clone();
+      at::Tensor main = b->param_data.slice(0, lo, hi).detach().to(at::kFloat).clone();
       main.set_requires_grad(true);
-      const auto it = group_of.find(b.params[i].unsafeGetTensorImpl());
+      const auto it = group_of.find(b->params[i].unsafeGetTensorImpl());
       MAPP_CHECK(it != group_of.end(), "DistributedOptimizer: a parameter of the model is in no ",
                  "parameter group (every parameter must be in exactly one)");
-      pieces_.push_back({&b, b.params[i], lo, hi, lo - s_lo, lo - off, main});
+      pieces_.push_back({b, b->params[i], lo, hi, lo - s_lo, lo - off, main});
       by_group[it->second].push_back(main);
     }
   }
@@ -393,8 +421,15 @@ DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(inner));
 }
 
+std::vector<GradBucket*> DistributedOptimizer::all_buckets() {
+  std::vector<GradBucket*> out;
+  for (DistributedDataParallel* ddp : ddps_)
+    for (auto& b : ddp->buckets()) out.push_back(&b);
+  return out;
+}
+
 void DistributedOptimizer::zero_grad() {
-  ddp_.zero_grad_buffer();
+  for (DistributedDataParallel* ddp : ddps_) ddp->zero_grad_buffer();
   for (auto& pc : pieces_) pc.main.mutable_grad() = at::Tensor();
   finished_ = false;
 }
@@ -408,12 +443,14 @@ double DistributedOptimizer::clip_grad_norm(double max_norm) {
     pairs.emplace_back(pc.param, pc.main.grad());
   }
   if (!finished_) {
-    ddp_.finish_grad_sync();
+    for (DistributedDataParallel* ddp : ddps_) ddp->finish_grad_sync();
     add_sequence_parallel_sums(pairs, state_);  // element-wise: a shard sums like the whole
+    add_embedding_sums(pairs, state_);
     finished_ = true;
   }
   // The shards partition each parameter over the data group: summed there too.
-  return clip_by_global_norm(pairs, state_, {ddp_.group(), state_.model_group()}, max_norm);
+  return clip_by_global_norm(pairs, state_, {ddps_.front()->group(), state_.model_group()},
+                             max_norm);
 }
 
 void DistributedOptimizer::step() {
@@ -421,9 +458,9 @@ void DistributedOptimizer::step() {
   optimizer_->step();
   at::NoGradGuard no_grad;
   for (auto& pc : pieces_) pc.bucket->param_data.slice(0, pc.lo, pc.hi).copy_(pc.main);
-  for (auto& b : ddp_.buckets()) {
-    const auto [lo, hi] = chunk_range(b);
-    b.param_data.copy_(torch_ext::all_gather(b.param_data.slice(0, lo, hi), 0, b.group));
+  for (GradBucket* b : all_buckets()) {
+    const auto [lo, hi] = chunk_range(*b);
+    b->param_data.copy_(torch_ext::all_gather(b->param_data.slice(0, lo, hi), 0, b->group));
   }
   finished_ = false;
 }

@@ -144,54 +144,77 @@ at::Tensor TransformerLayerImpl::forward(const at::Tensor& x) {
   return h + mlp(ln2(h));
 }
 
-GPTModelImpl::GPTModelImpl(GPTConfig cfg, const dist::ParallelState& st, std::int64_t seed)
-    : config(std::move(cfg)), group_(st.tensor_group()) {
+GPTModelImpl::GPTModelImpl(GPTConfig cfg, const dist::ParallelState& st, std::int64_t seed,
+                           GPTStage stage_)
+    : config(std::move(cfg)), stage(std::move(stage_)), group_(st.tensor_group()) {
   config.check(st.tp_size());
   if (config.sequence_parallel && st.tp_size() == 1) config.sequence_parallel = false;
-  MAPP_CHECK(st.pp_size() == 1 && st.cp_size() == 1,
-             "mapp::nn::GPTModel: pipeline and context parallelism are not available from C++ "
-             "yet (pp ",
-             st.pp_size(), ", cp ", st.cp_size(), ")");
+  MAPP_CHECK(st.cp_size() == 1,
+             "mapp::nn::GPTModel: context parallelism is not available from C++ yet (cp ",
+             st.cp_size(), ")");
+  if (stage.layer_numbers.empty())
+    for (std::int64_t i = 0; i < config.num_layers; ++i) stage.layer_numbers.push_back(i);
+  for (const std::int64_t i : stage.layer_numbers)
+    MAPP_CHECK(i >= 0 && i < config.num_layers, "mapp::nn::GPTModel: layer number ", i,
+               " outside [0, ", config.num_layers, ")");
   const std::uint64_t base = seed >= 0 ? static_cast<std::uint64_t>(seed)
                                        : at::detail::getDefaultCPUGenerator().current_seed();
-  seeded(base, 0, [&] {
-    word_embeddings = register_module(
-        "word_embeddings",
-        VocabParallelEmbedding(VocabParallelEmbeddingOptions(config.vocab_size, config.hidden_size)
-                                   .init_method(normal(config.init_method_std)),
-                               st));
-    // nn.Embedding draws normal(0, 1) when built; then the GPT's init redraws.
-    position_embeddings = register_module(
-        "position_embeddings", torch::nn::Embedding(config.seq_length, config.hidden_size));
-    at::NoGradGuard no_grad;
-    position_embeddings->weight.normal_(0.0, config.init_method_std);
-  });
+  // Tied embeddings: the last stage holds a replica of the word embeddings.
+  const bool split = !(stage.pre_process && stage.post_process);
+  if (stage.pre_process || stage.post_process) {
+    seeded(base, 0, [&] {
+      word_embeddings =
+          register_module("word_embeddings",
+                          VocabParallelEmbedding(
+                              VocabParallelEmbeddingOptions(config.vocab_size, config.hidden_size)
+                                  .init_method(normal(config.init_method_std)),
+                              st));
+      if (!stage.pre_process) return;  // drawn after the word embeddings: nothing else moves
+      // nn.Embedding draws normal(0, 1) when built; then the GPT's init redraws.
+      position_embeddings = register_module(
+          "position_embeddings", torch::nn::Embedding(config.seq_length, config.hidden_size));
+      at::NoGradGuard no_grad;
+      position_embeddings->weight.normal_(0.0, config.init_method_std);
+    });
+    if (split) {
+      ParamAttrs a = param_attrs(word_embeddings->weight);
+      a.shared_embedding = true;
+      a.shared_embedding_replica = !stage.pre_process;
+      set_param_attrs(word_embeddings->weight, a);
+    }
+  }
   layers = register_module("layers", torch::nn::ModuleList());
-  for (std::int64_t i = 0; i < config.num_layers; ++i)
+  for (const std::int64_t i : stage.layer_numbers)
     seeded(base, 1 + i, [&] { layers->push_back(TransformerLayer(config, st)); });
-  seeded(base, 1 + config.num_layers, [&] {
-    final_layernorm = register_module(
-        "final_layernorm",
-        torch::nn::LayerNorm(
-            torch::nn::LayerNormOptions({config.hidden_size}).eps(config.layernorm_epsilon)));
-  });
-  if (config.sequence_parallel) mark_sequence_parallel(*final_layernorm);
+  if (stage.post_process) {
+    seeded(base, 1 + config.num_layers, [&] {
+      final_layernorm = register_module(
+          "final_layernorm",
+          torch::nn::LayerNorm(
+              torch::nn::LayerNormOptions({config.hidden_size}).eps(config.layernorm_epsilon)));
+    });
+    if (config.sequence_parallel) mark_sequence_parallel(*final_layernorm);
+  }
 }
 
-at::Tensor GPTModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& labels) {
-  const std::int64_t s = input_ids.size(1);
-  MAPP_CHECK(s <= config.seq_length, "sequence length ", s, " exceeds the model's seq_length ",
-             config.seq_length);
-  at::Tensor x = word_embeddings(input_ids) +
-                 position_embeddings(at::arange(s, input_ids.options().dtype(at::kLong)));
-  x = x.transpose(0, 1).contiguous();  // [s, b, h]
-  if (config.sequence_parallel) x = ScatterToSP::apply(x, group_);
+at::Tensor GPTModelImpl::forward(const at::Tensor& input, const at::Tensor& labels) {
+  at::Tensor x = input;
+  if (stage.pre_process) {
+    const std::int64_t s = input.size(1);
+    MAPP_CHECK(s <= config.seq_length, "sequence length ", s, " exceeds the model's seq_length ",
+               config.seq_length);
+    x = word_embeddings(input) +
+        position_embeddings(at::arange(s, input.options().dtype(at::kLong)));
+    x = x.transpose(0, 1).contiguous();  // [s, b, h]
+    if (config.sequence_parallel) x = ScatterToSP::apply(x, group_);
+  }
   for (const auto& layer : *layers) x = layer->as<TransformerLayer>()->forward(x);
+  if (!stage.post_process) return x;
   x = final_layernorm(x);
   // Tied output layer: the word embeddings' shard gives this rank's vocabulary slice.
   x = config.sequence_parallel ? gather_from_sequence_parallel(x, group_)
                                : copy_to_tensor_parallel(x, group_);
-  const at::Tensor logits = at::linear(x, word_embeddings->weight);  // [s, b, V/tp]
+  const at::Tensor logits = mapp::nn::linear(x, word_embeddings->weight);  // [s, b, V/tp]
   if (!labels.defined()) return logits.transpose(0, 1);
   return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group_).transpose(0, 1);
 }

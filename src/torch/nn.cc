@@ -2,9 +2,12 @@
 #include "mapp/torch/nn.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <iterator>
 #include <mutex>
@@ -211,6 +214,90 @@ void mark_sequence_parallel(torch::nn::Module& module) {
   }
 }
 
+// ---- deferred weight gradients ------------------------------------------------------------
+
+namespace {
+std::atomic<WeightGradStore*> active_store{nullptr};
+
+// The backward of y = x W^T (+ b): dx now, dW deferred inside a deferring
+// backward, db now. Returns {dx, dW, db} (db undefined without a bias).
+variable_list linear_backward(AutogradContext* ctx, const at::Tensor& dy, bool has_bias) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &weight = saved[1];
+  at::Tensor dx, dw, db;
+  if (ctx->needs_input_grad(0)) dx = dy.matmul(weight);
+  if (ctx->needs_input_grad(1)) {
+    auto wgrad = [dy, x] {
+      return dy.reshape({-1, dy.size(-1)}).t().matmul(x.reshape({-1, x.size(-1)}));
+    };
+    if (!defer(weight, wgrad)) dw = wgrad();
+  }
+  if (has_bias && ctx->needs_input_grad(2)) db = dy.reshape({-1, dy.size(-1)}).sum(0);
+  return {dx, dw, db};
+}
+
+struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias) {
+    ctx->save_for_backward({x, weight});
+    return at::linear(x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return linear_backward(ctx, grads[0], true);
+  }
+};
+
+struct DeferrableLinearNoBias : torch::autograd::Function<DeferrableLinearNoBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    ctx->save_for_backward({x, weight});
+    return at::linear(x, weight);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list g = linear_backward(ctx, grads[0], false);
+    g.pop_back();
+    return g;
+  }
+};
+}  // namespace
+
+DeferringGuard::DeferringGuard(WeightGradStore& store) : previous_(active_store.exchange(&store)) {}
+DeferringGuard::~DeferringGuard() { active_store.store(previous_); }
+
+bool defer(const at::Tensor& param, std::function<at::Tensor()> wgrad) {
+  WeightGradStore* store = active_store.load();
+  if (store == nullptr) return false;
+  store->items_.emplace_back(param, std::move(wgrad));
+  store->deferred_.push_back(param.unsafeGetTensorImpl());
+  return true;
+}
+
+bool is_deferred(const at::Tensor& param) {
+  const WeightGradStore* store = active_store.load();
+  if (store == nullptr) return false;
+  const auto* impl = param.unsafeGetTensorImpl();
+  return std::find(store->deferred_.begin(), store->deferred_.end(), impl) !=
+         store->deferred_.end();
+}
+
+void run_weight_grads(WeightGradStore& store) {
+  if (store.items_.empty()) return;
+  std::vector<at::Tensor> params, grads;
+  for (auto& [p, fn] : store.items_) {
+    params.push_back(p);
+    grads.push_back(fn());
+  }
+  store.items_.clear();
+  store.deferred_.clear();
+  torch::autograd::backward(params, grads);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (!(at::GradMode::is_enabled() && weight.requires_grad()))
+    return at::linear(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  return bias.defined() ? DeferrableLinear::apply(x, weight, bias)
+                        : DeferrableLinearNoBias::apply(x, weight);
+}
+
 at::Tensor sharded_parameter(at::IntArrayRef shape, int partition_dim, int tp_size, int tp_rank,
                              const InitMethod& init, at::ScalarType dtype) {
   at::Tensor full = at::empty(shape, at::kFloat);
@@ -257,8 +344,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ColumnParallelLinearOpt
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   const at::Tensor in = options.sequence_parallel() ? gather_from_sequence_parallel(x, group)
                                                     : copy_to_tensor_parallel(x, group);
-  at::Tensor y =
-      at::linear(in, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  at::Tensor y = mapp::nn::linear(in, weight, bias);
   return options.gather_output() ? gather_from_tensor_parallel(y, group) : y;
 }
 
@@ -282,7 +368,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const RowParallelLinearOptions& o,
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   const at::Tensor in = options.input_is_parallel() ? x : scatter_to_tensor_parallel(x, group);
-  at::Tensor y = at::linear(in, weight);
+  at::Tensor y = mapp::nn::linear(in, weight);
   y = options.sequence_parallel() ? reduce_scatter_to_sequence_parallel(y, group)
                                   : reduce_from_tensor_parallel(y, group);
   return bias.defined() ? y + bias : y;

@@ -128,8 +128,13 @@ class DistributedDataParallel {
 // sequence-parallel partial sums over the tensor group, returns the global
 // gradient norm over the model group and clips to max_norm (0: no clipping).
 // As megatronapp.training.finish_gradients.
+// With pipeline parallelism also sums the tied embeddings' gradients over the
+// embedding group (first and last stage) and leaves the last stage's replica
+// out of the norm. `chunks`: this rank's model chunks (interleaved schedules).
 double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState& state,
                         double max_norm);
+double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
+                        const dist::ParallelState& state, double max_norm);
 
 // One AdamW parameter group: the model parameters and their options.
 struct ParamGroup {
@@ -154,6 +159,9 @@ class DistributedOptimizer {
  public:
   DistributedOptimizer(DistributedDataParallel& ddp, const std::vector<ParamGroup>& groups,
                        const dist::ParallelState& state);
+  // Over every model chunk of this rank (interleaved pipeline schedules).
+  DistributedOptimizer(const std::vector<DistributedDataParallel*>& chunks,
+                       const std::vector<ParamGroup>& groups, const dist::ParallelState& state);
 
   void zero_grad();
   // Finishes the reduction, adds sequence-parallel partial sums over the
@@ -174,7 +182,8 @@ class DistributedOptimizer {
     std::int64_t shard_lo, param_lo;
     at::Tensor main;
   };
-  DistributedDataParallel& ddp_;
+  std::vector<GradBucket*> all_buckets();
+  std::vector<DistributedDataParallel*> ddps_;
   const dist::ParallelState& state_;
   std::vector<Piece> pieces_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;

@@ -5,8 +5,18 @@
 // initialization (and parameter names, e.g. layers.0.attn.qkv.weight): for the same seed a C++ rank
 // holds the weights the Python rank in its place holds, and computes the same loss.
 //
-// Not here yet: dropout, recomputation, pipeline stages, context parallelism,
-// mixture of experts, untied output weights (GPTConfig refuses them).
+// Pipeline stages as in Python (Megatron's pre_process / post_process): a
+// stage without pre_process takes the hidden states [s, b, h] (s/tp under
+// sequence parallelism) instead of token ids; one without post_process
+// returns them; layer_numbers are the global indices of its layers (each
+// seeded as in Python, so a stage holds the same weights at every pp). With
+// the embeddings tied across stages the last stage keeps a replica of the
+// word embeddings (param_attrs: shared_embedding, shared_embedding_replica)
+// whose gradient is summed with the first stage's over the embedding group
+// (mapp::finish_gradients does it).
+//
+// Not here yet: dropout, recomputation, context parallelism, mixture of
+// experts, untied output weights.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -16,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "mapp/torch/dist.h"
 #include "mapp/torch/nn.h"
@@ -67,16 +78,26 @@ class TransformerLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerLayer);
 
+// Which part of the model a pipeline stage (virtual stage) holds.
+struct GPTStage {
+  bool pre_process = true;                  // embeddings: takes token ids
+  bool post_process = true;                 // final LayerNorm and the output layer
+  std::vector<std::int64_t> layer_numbers;  // global layer indices; empty: all layers
+};
+
 class GPTModelImpl : public torch::nn::Module {
  public:
   // `seed`: every component (embeddings, each layer, the final LayerNorm) is
   // drawn from its own generator state derived from it, as in Python (default:
   // the global generator's initial seed).
-  GPTModelImpl(GPTConfig cfg, const dist::ParallelState& state, std::int64_t seed = -1);
-  // input_ids [b, s] -> per-token loss [b, s] (float32) when labels are given,
-  // else the vocabulary-sharded logits [b, s, V/tp].
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& labels = {});
+  GPTModelImpl(GPTConfig cfg, const dist::ParallelState& state, std::int64_t seed = -1,
+               GPTStage stage = {});
+  // input_ids [b, s] (pre_process; else hidden states [s, b, h]) -> per-token
+  // loss [b, s] (float32) when labels are given, else the vocabulary-sharded
+  // logits [b, s, V/tp] (post_process; else hidden states [s, b, h]).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& labels = {});
   GPTConfig config;
+  GPTStage stage;
   VocabParallelEmbedding word_embeddings{nullptr};
   torch::nn::Embedding position_embeddings{nullptr};
   torch::nn::ModuleList layers;

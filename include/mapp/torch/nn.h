@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mapp/torch/dist.h"
 
@@ -40,6 +42,9 @@ struct ParamAttrs {
   int partition_dim = -1;          // the dim split over the tensor group (-1: replicated)
   bool sequence_parallel = false;  // replicated, fed a sequence shard: its gradient is partial
   bool shared_embedding = false;   // tied word embeddings on the first and last stage
+  // the last stage's copy of tied embeddings: not counted in the gradient norm
+  // (the first stage counts it)
+  bool shared_embedding_replica = false;
 };
 void set_param_attrs(const at::Tensor& param, const ParamAttrs& attrs);
 ParamAttrs param_attrs(const at::Tensor& param);  // defaults for an unmarked tensor
@@ -59,6 +64,51 @@ at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, const std::string& gr
 at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group);
 // forward reduce-scatter of dim 0, backward all-gather
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group);
+
+// ---- deferred weight gradients (zero-bubble BI / W) -------------------------------------
+// megatronapp.autograd in C++: linear() is at::linear whose backward always
+// returns the input gradient and, while a DeferringGuard is active, stores a
+// closure for the weight gradient instead of computing it (the bias gradient
+// is computed now). run_weight_grads() evaluates the closures and accumulates
+// them through autograd, so post-accumulate hooks (the DDP's) fire as usual.
+// The active store is process-wide, not thread-local (autograd may run
+// backward functions on device threads).
+class WeightGradStore {
+ public:
+  std::size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+
+ private:
+  friend class DeferringGuard;
+  friend bool defer(const at::Tensor&, std::function<at::Tensor()>);
+  friend bool is_deferred(const at::Tensor&);
+  friend void run_weight_grads(WeightGradStore&);
+  std::vector<std::pair<at::Tensor, std::function<at::Tensor()>>> items_;
+  std::vector<const c10::TensorImpl*> deferred_;
+};
+
+// Inside, deferrable layers put their weight gradients into `store`.
+class DeferringGuard {
+ public:
+  explicit DeferringGuard(WeightGradStore& store);
+  ~DeferringGuard();
+  DeferringGuard(const DeferringGuard&) = delete;
+  DeferringGuard& operator=(const DeferringGuard&) = delete;
+
+ private:
+  WeightGradStore* previous_;
+};
+
+// Inside a deferring backward: stores `wgrad` (returns `param`'s gradient)
+// and returns true; outside one returns false (compute the gradient now).
+bool defer(const at::Tensor& param, std::function<at::Tensor()> wgrad);
+// Whether `param`'s gradient was put aside by the active deferring backward
+// (autograd may still run its post-accumulate hooks, without a gradient).
+bool is_deferred(const at::Tensor& param);
+// Computes the stored gradients and accumulates them through autograd; empties the store.
+void run_weight_grads(WeightGradStore& store);
+// y = x W^T + b whose weight gradient can be deferred.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 
 // The full tensor of `shape` initialized by `init` (float32, global CPU
 // generator), then this tensor rank's chunk along `partition_dim` (-1: the

@@ -1,0 +1,107 @@
+// The pipeline executor for C++ trainers: runs this rank's actions of a
+// schedule of the C++ IR (mapp/pipeline/schedule.h: GPipe, 1F1B, interleaved,
+// zero-bubble, dynamic, or one imported from CSV/JSON), with the semantics of
+// megatronapp.pipeline.forward_backward:
+//
+//   auto sched = mapp::pipeline::one_f_one_b(st.pp_size(), micro);
+//   mapp::PipelineResult r = mapp::forward_backward(
+//       sched, {{[&](const at::Tensor& x) { return model->forward(x); }, &ddp}},
+//       [&](int mb) { return ids[mb]; },                                 // first stage
+//       [&](const at::Tensor& logits, int mb) { return loss_of(logits, mb); },  // last stage
+//       st, {.tensor_shape = {seq, micro_batch, hidden}});
+//
+// Actions run in order. RECV_* posts a non-blocking c10d receive and SEND_* a
+// non-blocking send on the pipeline group (several in flight, matched by tag =
+// (kind, microbatch, virtual stage), the Python executor's tags); F, B and BI
+// wait only for their own input. The last virtual stage divides each
+// microbatch's loss by the number of microbatches before backward. BI
+// computes the input gradient with the weight gradients of mapp::nn::linear
+// deferred (mapp/torch/nn.h) and W computes them later. A chunk's
+// DistributedDataParallel synchronizes only during its final B/BI and final
+// W, so its reduction overlaps the other chunks' compute; every chunk's
+// reduction is finished before return. Every wait is bounded by
+// MAPP_COLLECTIVE_TIMEOUT_S: a peer that never sends is an error naming the
+// transfer, not a hang.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "mapp/pipeline/schedule.h"
+#include "mapp/torch/ddp.h"
+#include "mapp/torch/dist.h"
+
+namespace mapp {
+
+// One model chunk of this stage: virtual stage chunk * pp + pp_rank.
+struct PipelineChunk {
+  // input (token ids on the first virtual stage, else the previous stage's
+  // output) -> output (the logits or per-token values on the last virtual
+  // stage, which loss_fn reduces; else what the next stage receives).
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  DistributedDataParallel* ddp = nullptr;  // optional: gradient synchronization
+};
+
+struct PipelineOptions {
+  std::vector<std::int64_t> tensor_shape;  // of the tensors between stages
+  at::ScalarType dtype = at::kFloat;
+  bool forward_only = false;  // evaluation: the forwards only, without autograd
+};
+
+struct PipelineResult {
+  std::vector<at::Tensor> losses;              // last stage: per-microbatch loss (detached)
+  int peak_activations = 0;                    // most microbatch-chunk activations held at once
+  std::map<std::string, double> compute_time;  // "F", "B", "BI", "W" -> mean seconds
+  double recv_wait_seconds = 0;                // waiting for inputs
+  std::int64_t sent_bytes = 0;                 // to pipeline peers
+  double step_seconds = 0;
+};
+
+// Runs one step of `schedule` (stages = the pipeline size, chunks =
+// chunks.size()) on this rank. `inputs(mb)` feeds the first virtual stage;
+// `loss_fn(output, mb)` returns the scalar loss on the last. Throws
+// ValueError for a schedule that does not fit the state or the chunks, a
+// stage output whose shape or dtype differs from tensor_shape / dtype, and
+// a schedule that mixes B and BI/W within one chunk.
+PipelineResult forward_backward(const pipeline::Schedule& schedule,
+                                const std::vector<PipelineChunk>& chunks,
+                                const std::function<at::Tensor(int)>& inputs,
+                                const std::function<at::Tensor(const at::Tensor&, int)>& loss_fn,
+                                const dist::ParallelState& state, const PipelineOptions& options);
+
+// --pipeline-schedule NAME as pretrain_gpt.py reads it: gpipe, 1f1b (with
+// v > 1 interleaved), interleaved, zero-bubble, dynamic (`policy`: dfc, bfc,
+// auto, adaptive; `memory_limit` < 0: the planner's default). One stage is
+// always the one-stage 1F1B. ValueError for combinations that cannot run.
+pipeline::Schedule make_schedule(const std::string& name, int p, int m, int v = 1,
+                                 const std::string& policy = "adaptive", int memory_limit = -1);
+
+// The dynamic planner fed with measured times (megatronapp.pipeline.
+// AdaptiveSchedule): every rank records its stage's mean F / BI / W times;
+// every `interval` steps one all-reduce over the world averages them and
+// every rank re-plans dynamic(policy adaptive, costs) — the same
+// deterministic computation on the same numbers, so all get the same plan.
+class AdaptiveSchedule {
+ public:
+  AdaptiveSchedule(int p, int m, int v, int memory_limit, int interval,
+                   const dist::ParallelState& state);
+  const pipeline::Schedule& schedule() const { return schedule_; }
+  // Records one step; every `interval` calls re-plans (a collective over the
+  // world: call it on every rank). Returns whether the schedule changed.
+  bool observe(const PipelineResult& result);
+  int replans() const { return replans_; }
+
+ private:
+  int p_, m_, v_, memory_limit_, interval_;
+  const dist::ParallelState& state_;
+  pipeline::Schedule schedule_;
+  std::vector<double> sums_;  // per stage: F, BI, W, samples
+  int steps_ = 0, replans_ = 0;
+};
+
+}  // namespace mapp
