@@ -15,7 +15,9 @@
 // cosine learning rate. With --pipeline-model-parallel-size the model is split
 // into stages (virtual stages with --virtual-pipeline-model-parallel-size) and
 // each step runs the --pipeline-schedule through mapp::forward_backward, as
-// pretrain_gpt.py does. Not yet: checkpoints (docs/cpp.md).
+// pretrain_gpt.py does. --save / --save-interval / --load write and read
+// pretrain_gpt.py's checkpoints (mapp/torch/checkpoint.h): either resumes
+// the other's.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -33,6 +35,7 @@
 
 #include "mapp/codec/codec.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/checkpoint.h"
 #include "mapp/torch/ddp.h"
 #include "mapp/torch/dist.h"
 #include "mapp/torch/gpt.h"
@@ -55,7 +58,8 @@ struct Args {
   std::string grad_compression = "none";
   int grad_compression_start_iter = 0;
   double bucket_size_mb = 25.0;
-  std::string data_path, loss_csv;
+  std::string data_path, loss_csv, save, load;
+  int save_interval = 0;
 };
 
 // Linear warm-up to lr, then cosine decay to min_lr (training/step.py: lr_at).
@@ -140,6 +144,10 @@ int main(int argc, char** argv) {
                "reduce gradients at the end of backward instead of during it");
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
+  app.add_option("--save", a.save, "checkpoint directory to save to");
+  app.add_option("--save-interval", a.save_interval, "save every N iterations (and at the end)");
+  app.add_option("--load", a.load,
+                 "resume from this checkpoint directory (its latest) or iter_* path");
   app.add_option("--loss-csv", a.loss_csv,
                  "write iteration,loss,lr,grad_norm,seconds here (rank 0)");
   CLI11_PARSE(app, argc, argv);
@@ -235,13 +243,47 @@ int main(int argc, char** argv) {
         inner.emplace_back(g.params, std::make_unique<torch::optim::AdamWOptions>(g.options));
       adamw = std::make_unique<torch::optim::AdamW>(std::move(inner));
     }
+    // Checkpoints: the model fields pretrain_gpt.py compares, and where the data stands.
+    std::vector<mapp::CheckpointChunk> ckpt_chunks;
+    for (int c = 0; c < v; ++c)
+      ckpt_chunks.push_back({chunks[c].ptr(), chunks[c]->stage.layer_numbers, ddp_ptrs[c]});
+    const std::string config_json =
+        "{\"vocab_size\": " + std::to_string(cfg.vocab_size) +
+        ", \"hidden_size\": " + std::to_string(cfg.hidden_size) +
+        ", \"num_layers\": " + std::to_string(cfg.num_layers) +
+        ", \"num_attention_heads\": " + std::to_string(cfg.num_attention_heads) +
+        ", \"seq_length\": " + std::to_string(cfg.seq_length) + ", \"ffn_hidden_size\": " +
+        std::to_string(cfg.ffn_hidden_size ? cfg.ffn_hidden_size : 4 * cfg.hidden_size) +
+        ", \"share_embeddings_and_output_weights\": true, \"num_experts\": null, "
+        "\"moe_ffn_hidden_size\": null, \"moe_layer_freq\": 1}";
+    auto ckpt_options = [&](int iteration) {
+      return mapp::CheckpointOptions{
+          .adamw = adamw.get(),
+          .distributed = zero.get(),
+          .config_json = config_json,
+          .extra_json = "{\"consumed_samples\": " +
+                        std::to_string(static_cast<std::int64_t>(iteration) * a.global_batch_size) +
+                        ", \"seed\": " + std::to_string(a.seed) + "}"};
+    };
+    int start = 0;
+    if (!a.load.empty()) {
+      const auto info = mapp::load_checkpoint(a.load, ckpt_chunks, st, ckpt_options(0));
+      if (info) {
+        start = static_cast<int>(info->iteration);
+        if (st.rank() == 0)
+          std::printf("[megatronapp] resumed from %s at iteration %d\n", info->path.c_str(), start);
+      } else if (st.rank() == 0) {
+        std::printf("[megatronapp] no checkpoint in %s; starting from scratch\n", a.load.c_str());
+      }
+    }
+    int saved_at = -1;
     std::ofstream csv;
     if (st.rank() == 0 && !a.loss_csv.empty()) {
       csv.open(a.loss_csv);
       csv << "iteration,loss,lr,grad_norm,seconds\n";
     }
     const std::string& g_tp = st.tensor_group();
-    for (int it = 0; it < a.train_iters; ++it) {
+    for (int it = start; it < a.train_iters; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
       const double lr = lr_at(a, it);
       if (zero) {
@@ -296,7 +338,13 @@ int main(int argc, char** argv) {
                       it + 1, a.train_iters, mean, lr, norm,
                       a.global_batch_size * a.seq_length / secs);
       }
+      if (!a.save.empty() && a.save_interval > 0 && (it + 1) % a.save_interval == 0) {
+        mapp::save_checkpoint(a.save, it + 1, ckpt_chunks, st, ckpt_options(it + 1));
+        saved_at = it + 1;
+      }
     }
+    if (!a.save.empty() && saved_at != a.train_iters && start < a.train_iters)
+      mapp::save_checkpoint(a.save, a.train_iters, ckpt_chunks, st, ckpt_options(a.train_iters));
     std::fflush(stdout);
     mapp::dist::destroy(st);
     return 0;

@@ -325,3 +325,122 @@ def test_cpp_trainer_refuses_what_it_cannot_do_yet():
     assert p.returncode == 1 and "int9" in p.stderr and "powersgd" in p.stderr, p.stderr
     p = subprocess.run([TRAIN_GPT], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--data-path" in p.stderr + p.stdout
+
+
+def _ckpt_runs(tmp_path, flags, steps=6):
+    """pretrain_gpt.py and train_gpt, 6 steps each with checkpoints every 3:
+    the losses of both, and the two checkpoint directories."""
+    from megatronapp.data import default_corpus
+
+    common = [f if f != "20" else str(steps) for f in PIPE_FLAGS] + flags + [
+        "--data-path", default_corpus()]
+    py = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
+                       "--eval-iters", "0", "--output-dir", str(tmp_path / "py"),
+                       "--save", str(tmp_path / "pyck"), "--save-interval", "3"])
+    assert py.returncode == 0, py.stderr[-2000:]
+    cpp = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "c.csv"),
+                        "--save", str(tmp_path / "cck"), "--save-interval", "3"])
+    assert cpp.returncode == 0, cpp.stderr[-2000:]
+    return common, _by_iteration(tmp_path / "py" / "loss.csv"), _by_iteration(tmp_path / "c.csv")
+
+
+def _by_iteration(path):
+    import csv
+
+    with open(path) as f:
+        return {int(r["iteration"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--grad-compression", "int8",
+     "--use-distributed-optimizer"],
+    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+     "--grad-compression", "powersgd:2", "--use-distributed-optimizer"],
+], ids=["tp2-pp2-adamw", "tp2-dp2-int8-zero1", "pp2-vp2-dp2-powersgd-zero1"])
+def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, flags):
+    """train_gpt --save/--load in pretrain_gpt.py's checkpoint files: a C++
+    run resumed from its own step-3 checkpoint repeats steps 4-6 bit for bit
+    (AdamW moments or ZeRO-1 pieces, codec error feedback / PowerSGD state,
+    RNG); a C++ run resumes Python's checkpoint and a Python run resumes the
+    C++ one, each continuing the other's run within 1e-5."""
+    common, py, cpp = _ckpt_runs(tmp_path, flags)
+    assert all(abs(py[i] - cpp[i]) < 1e-5 for i in py), (py, cpp)
+    r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cc.csv"),
+                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = _by_iteration(tmp_path / "cc.csv")
+    assert sorted(again) == [4, 5, 6]
+    assert all(again[i] == cpp[i] for i in again), (again, cpp)  # bit-identical
+    r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cp.csv"),
+                      "--load", str(tmp_path / "pyck" / "iter_0000003")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    from_py = _by_iteration(tmp_path / "cp.csv")
+    assert sorted(from_py) == [4, 5, 6]
+    assert all(abs(from_py[i] - py[i]) < 1e-5 for i in from_py), (from_py, py)
+    r = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
+                      "--eval-iters", "0", "--output-dir", str(tmp_path / "pc"),
+                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    from_c = _by_iteration(tmp_path / "pc" / "loss.csv")
+    assert sorted(from_c) == [4, 5, 6]
+    assert all(abs(from_c[i] - cpp[i]) < 1e-5 for i in from_c), (from_c, cpp)
+
+
+@pytest.mark.timeout(900)
+def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
+    """A Python TP2 x PP2 checkpoint loads into a C++ DP4 ZeRO-1 run and a C++
+    TP2 x PP2 one into a Python TP2 x DP2 run (parameters and AdamW state
+    resharded): the next loss is the saving run's within 1e-5. A flipped byte,
+    a truncated file and a different model are clear errors naming the file
+    or the field, in C++ and in Python."""
+    common, py, cpp = _ckpt_runs(
+        tmp_path, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    base = [f for f in common]
+    tp_at = base.index("--tensor-model-parallel-size")
+    del base[tp_at:tp_at + 2]
+    pp_at = base.index("--pipeline-model-parallel-size")
+    del base[pp_at:pp_at + 2]
+    r = _torchrun(4, ["--no-python", TRAIN_GPT, *base, "--use-distributed-optimizer",
+                      "--loss-csv", str(tmp_path / "dp4.csv"),
+                      "--load", str(tmp_path / "pyck" / "iter_0000003")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    dp4 = _by_iteration(tmp_path / "dp4.csv")
+    assert abs(dp4[4] - py[4]) < 1e-5, (dp4, py)
+    r = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *base,
+                      "--tensor-model-parallel-size", "2", "--no-progress", "--eval-iters", "0",
+                      "--output-dir", str(tmp_path / "tp2dp2"),
+                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert abs(_by_iteration(tmp_path / "tp2dp2" / "loss.csv")[4] - cpp[4]) < 1e-5
+
+    import shutil
+
+    def broken(name, damage):
+        d = tmp_path / name
+        shutil.copytree(tmp_path / "cck" / "iter_0000003", d)
+        damage(d / "rank0.safetensors")
+        return d
+
+    def flip(p):
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 0xFF
+        p.write_bytes(bytes(data))
+
+    def truncate(p):
+        p.write_bytes(p.read_bytes()[:100])
+
+    for d, want in ((broken("flipped", flip), "checksum mismatch in tensor"),
+                    (broken("truncated", truncate), "not a readable safetensors file")):
+        r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--load", str(d)])
+        assert r.returncode != 0 and want in r.stderr and "rank0.safetensors" in r.stderr, \
+            r.stderr[-2000:]
+        r = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common,
+                          "--no-progress", "--eval-iters", "0", "--output-dir",
+                          str(tmp_path / "x"), "--load", str(d)])
+        assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
+    other = [f if f != "64" else "32" for f in common]  # --hidden-size 32
+    r = _torchrun(4, ["--no-python", TRAIN_GPT, *other, "--load", str(tmp_path / "cck")])
+    assert r.returncode != 0 and "checkpoint from an incompatible model: " in r.stderr \
+        and " hidden_size = 64 in the checkpoint, 32 here" in r.stderr, r.stderr[-2000:]
