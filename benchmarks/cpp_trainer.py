@@ -4,8 +4,10 @@
 
 Runs examples/cpp/train_gpt.cc (torchrun --no-python) and
 examples/pretrain_gpt.py with the same flags, round-robin, on 4 CPU ranks
-(TP2 x DP2 exact and with int8 + ZeRO-1, and TP4), and reports the median step time of iterations 2.. of
-each run (the loss of both must agree: it is the same training).
+(TP2 x DP2 exact and with int8 + ZeRO-1, TP4, and TP2 x PP2 with 1F1B and
+zero-bubble), alternating which trainer goes first, and reports the median
+step time of iterations 2.. of each run (the loss of both must agree: it is
+the same training). ``--layouts`` picks some by name.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layouts", default=None,
+                   help="comma-separated subset: tp2-dp2, tp2-dp2-int8-zero1, tp4, "
+                        "tp2-pp2-1f1b, tp2-pp2-zero-bubble")
     a = p.parse_args()
     from megatronapp.data import default_corpus
 
@@ -57,7 +62,19 @@ def main():
                "TP2 x DP2, int8, ZeRO-1": ["--tensor-model-parallel-size", "2",
                                            "--grad-compression", "int8",
                                            "--use-distributed-optimizer"],
-               "TP4": ["--tensor-model-parallel-size", "4"]}
+               "TP4": ["--tensor-model-parallel-size", "4"],
+               "TP2 x PP2, 1F1B": ["--tensor-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-size", "2"],
+               "TP2 x PP2, zero-bubble": ["--tensor-model-parallel-size", "2",
+                                          "--pipeline-model-parallel-size", "2",
+                                          "--pipeline-schedule", "zero-bubble"]}
+    keys = dict(zip(["tp2-dp2", "tp2-dp2-int8-zero1", "tp4", "tp2-pp2-1f1b",
+                     "tp2-pp2-zero-bubble"], layouts, strict=True))
+    if a.layouts:
+        unknown = [k for k in a.layouts.split(",") if k not in keys]
+        if unknown:
+            raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(keys)}")
+        layouts = {keys[k]: layouts[keys[k]] for k in a.layouts.split(",")}
     print(f"GPT 4 layers, hidden 256, 8 heads, sequence 128, global batch 16, 4 CPU ranks, "
           f"{a.iters} iterations, {a.repeats} repeats (median step of iterations 2..):")
     print(f"{'layout':<24} {'python s/step':>14} {'c++ s/step':>11} {'c++ vs python':>14} "
@@ -65,12 +82,14 @@ def main():
     for name, flags in layouts.items():
         common = MODEL + flags + ["--train-iters", str(a.iters), "--data-path", default_corpus()]
         py, cc, losses = [], [], None
-        for _ in range(a.repeats):
+        for r in range(a.repeats):
             d = tempfile.mkdtemp()
-            _run([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
-                  "--eval-iters", "0", "--log-interval", "1000", "--output-dir", d + "/py"])
-            _run(["--no-python", TRAIN_GPT, *common, "--log-interval", "1000",
-                  "--loss-csv", d + "/cpp.csv"])
+            runs = [[os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
+                     "--eval-iters", "0", "--log-interval", "1000", "--output-dir", d + "/py"],
+                    ["--no-python", TRAIN_GPT, *common, "--log-interval", "1000",
+                     "--loss-csv", d + "/cpp.csv"]]
+            for argv in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
+                _run(argv)
             (s_py, l_py), (s_cc, l_cc) = _read(d + "/py/loss.csv"), _read(d + "/cpp.csv")
             py.append(statistics.median(s_py))
             cc.append(statistics.median(s_cc))

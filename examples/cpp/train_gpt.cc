@@ -59,6 +59,7 @@ struct Args {
   int grad_compression_start_iter = 0;
   double bucket_size_mb = 25.0;
   std::string data_path, loss_csv, save, load;
+  std::string distributed_backend = "gloo";
   int save_interval = 0;
 };
 
@@ -144,6 +145,9 @@ int main(int argc, char** argv) {
                "reduce gradients at the end of backward instead of during it");
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
+  app.add_option("--distributed-backend", a.distributed_backend,
+                 "gloo (CPU) or nccl (one GPU per rank: cuda:LOCAL_RANK)")
+      ->check(CLI::IsMember({"gloo", "nccl"}));
   app.add_option("--save", a.save, "checkpoint directory to save to");
   app.add_option("--save-interval", a.save_interval, "save every N iterations (and at the end)");
   app.add_option("--load", a.load,
@@ -171,7 +175,13 @@ int main(int argc, char** argv) {
     // so do a schedule name, policy or chunk count that cannot run
     mapp::make_schedule(a.pipeline_schedule, a.pp, a.pp * v, v, a.pipeline_dynamic_policy,
                         a.pipeline_memory_limit);
-    const auto st = mapp::dist::init_from_env({.tp = a.tp, .pp = a.pp, .cp = a.cp});
+    const auto st = mapp::dist::init_from_env(
+        {.tp = a.tp, .pp = a.pp, .cp = a.cp, .backend = a.distributed_backend});
+    // NCCL: the model, its gradients and the activations live on this rank's GPU.
+    const at::Device device =
+        a.distributed_backend == "nccl"
+            ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(st.local_rank()))
+            : at::Device(at::kCPU);
     const int dp = st.dp_size();
     if (a.global_batch_size % (a.micro_batch_size * dp))
       throw mapp::ValueError("global batch size " + std::to_string(a.global_batch_size) +
@@ -211,6 +221,7 @@ int main(int argc, char** argv) {
       mapp::nn::GPTStage part{.pre_process = vs == 0, .post_process = vs == a.pp * v - 1};
       for (int i = 0; i < per; ++i) part.layer_numbers.push_back(vs * per + i);
       chunks.emplace_back(cfg, st, a.seed, part);
+      chunks.back()->to(device);  // drawn on the CPU (the same weights everywhere), then moved
       ddps.push_back(std::make_unique<mapp::DistributedDataParallel>(
           chunks.back().ptr(), st,
           mapp::DDPOptions{.bucket_size_mb = a.bucket_size_mb,
@@ -224,7 +235,7 @@ int main(int argc, char** argv) {
     }
     const std::int64_t seq_between = a.sequence_parallel ? a.seq_length / a.tp : a.seq_length;
     const mapp::PipelineOptions pipe{
-        .tensor_shape = {seq_between, a.micro_batch_size, a.hidden_size}};
+        .tensor_shape = {seq_between, a.micro_batch_size, a.hidden_size}, .device = device};
 
     // AdamW, weight decay on matrices only; ZeRO-1 shards it over dp.
     std::vector<mapp::ParamGroup> groups(2);
@@ -294,7 +305,7 @@ int main(int argc, char** argv) {
           static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
         for (auto* ddp : ddp_ptrs) ddp->zero_grad_buffer();
       }
-      const at::Tensor window = global_batch(stream, it, a);
+      const at::Tensor window = global_batch(stream, it, a).to(device);
       auto rows = [&](int m) {
         const std::int64_t lo =
             (static_cast<std::int64_t>(m) * dp + st.dp_rank()) * a.micro_batch_size;
@@ -313,7 +324,7 @@ int main(int argc, char** argv) {
       // The last stage's microbatch losses; tensor rank 0 counts them.
       at::Tensor total = at::zeros({1}, at::kDouble);
       if (!res.losses.empty() && st.tp_rank() == 0)
-        total += at::stack(res.losses).to(at::kDouble).sum();
+        total += at::stack(res.losses).to(at::kDouble).sum().cpu();
       // The data-parallel average (waits for the buckets), the
       // sequence-parallel sums, one global norm and clipping, the update.
       double norm;

@@ -33,6 +33,11 @@
 #ifdef MAPP_HAVE_GLOO_HEADERS
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
+#ifdef MAPP_HAVE_NCCL_PG
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace mapp::dist {
 namespace {
@@ -128,6 +133,14 @@ bool available() {
 #endif
 }
 
+bool nccl_available() {
+#if defined(MAPP_HAVE_GLOO_HEADERS) && defined(MAPP_HAVE_NCCL_PG)
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 // c10d's registry holds groups weakly: these strong references keep the
@@ -146,10 +159,12 @@ std::map<std::string, c10::intrusive_ptr<c10d::ProcessGroup>>& owned() {
 #ifdef MAPP_HAVE_GLOO_HEADERS
 namespace {
 
-// A Gloo process group of `ranks` (this process is `ranks[me]`) over `store`
-// under `prefix`, registered with c10d as `name`.
+// A process group of `ranks` (this process is `ranks[me]`) over `store`
+// under `prefix`, registered with c10d as `name`: Gloo for CPU tensors and,
+// with `nccl`, NCCL for CUDA tensors (torch's "cpu:gloo,cuda:nccl").
 void create_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& name,
-                  const std::vector<int>& ranks, int rank, std::chrono::milliseconds timeout) {
+                  const std::vector<int>& ranks, int rank, std::chrono::milliseconds timeout,
+                  bool nccl) {
   const int me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   const int size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
@@ -167,6 +182,25 @@ void create_group(const c10::intrusive_ptr<c10d::Store>& store, const std::strin
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(prefixed, me, size);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+#ifdef MAPP_HAVE_NCCL_PG
+  if (nccl) {
+    // Its own store prefix: NCCL's unique-id exchange must not meet Gloo's keys.
+    auto nccl_store = c10::make_intrusive<c10d::PrefixStore>(name + "/nccl", store);
+    auto nopts = c10d::ProcessGroupNCCL::Options::create();
+    nopts->timeout = timeout;
+    c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_backend;
+    try {
+      nccl_backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, me, size, nopts);
+    } catch (const std::exception& e) {
+      MAPP_FAIL_BACKEND("creating the NCCL backend of process group '", name, "' (ranks ",
+                        join(ranks), ") failed: ", e.what());
+    }
+    pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl_backend);
+    pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  }
+#else
+  MAPP_CHECK(!nccl, "NCCL process groups need a megatronapp built with CUDA and a CUDA torch");
+#endif
   pg->setGroupName(name);  // (names the backend too)
   std::lock_guard<std::mutex> lock(owned_mu());
   MAPP_CHECK_STATE(owned().count(name) == 0, "process group '", name,
@@ -263,9 +297,12 @@ bool attach_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, const st
 #endif
 
 ParallelState init(const LaunchEnv& env, const InitOptions& options) {
-  MAPP_CHECK(options.backend == "gloo", "backend '", options.backend,
-             "' is not available to C++ process groups in this "
-             "build; use 'gloo'");
+  MAPP_CHECK(options.backend == "gloo" || options.backend == "nccl", "backend '", options.backend,
+             "': expected 'gloo' (CPU tensors) or 'nccl' (CUDA tensors, with Gloo for CPU ones)");
+  const bool nccl = options.backend == "nccl";
+  MAPP_CHECK(!nccl || nccl_available(),
+             "backend 'nccl' is not available: this megatronapp::torch was built without CUDA "
+             "or against a CPU-only torch; use 'gloo' or rebuild with the CUDA toolkit");
   MAPP_CHECK(options.timeout.count() > 0, "InitOptions.timeout must be positive");
   // The grid first: a world that does not divide fails here, on every rank,
   // before anyone waits for a peer.
@@ -277,6 +314,15 @@ ParallelState init(const LaunchEnv& env, const InitOptions& options) {
              "create process groups from C++; install libgloo-dev and rebuild");
   return state;
 #else
+#ifdef MAPP_HAVE_NCCL_PG
+  if (nccl) {  // one GPU per local rank, current before any NCCL communicator exists
+    const int devices = static_cast<int>(c10::cuda::device_count());
+    MAPP_CHECK(env.local_rank < devices, "backend 'nccl': LOCAL_RANK ", env.local_rank,
+               " has no GPU (this node has ", devices,
+               "); launch at most one rank per GPU (--nproc-per-node)");
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
+  }
+#endif
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
   so.isServer = env.rank == 0 && !env.agent_store;
@@ -296,7 +342,7 @@ ParallelState init(const LaunchEnv& env, const InitOptions& options) {
   auto make = [&](const std::string& kind, const std::vector<std::vector<int>>& groups) {
     auto [index, ranks] = mine(groups, r);
     std::string name = "mapp." + kind + "." + std::to_string(index);
-    create_group(store, name, ranks, r, options.timeout);
+    create_group(store, name, ranks, r, options.timeout, nccl);
     if (shared && kind != "pp" && kind != "world") attach_shared_memory(store, name, ranks, r);
     return name;
   };

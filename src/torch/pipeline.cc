@@ -53,6 +53,7 @@ class P2P {
         m_(s.microbatches),
         shape_(o.tensor_shape),
         dtype_(o.dtype),
+        device_(o.device),
         result_(result) {
     if (st.pp_size() > 1) pg_ = torch_ext::internal::resolve(group_);
   }
@@ -68,7 +69,7 @@ class P2P {
                "pipeline stage (the shape of the activations between stages, e.g. {seq_length, "
                "micro_batch_size, hidden_size})");
     Pending r;
-    r.tensors = {at::empty(shape_, at::TensorOptions().dtype(dtype_))};
+    r.tensors = {at::empty(shape_, at::TensorOptions().dtype(dtype_).device(device_))};
     r.peer = peer;
     r.work = pg_->recv(r.tensors, peer, tag(key));
     recvs_.emplace(key, std::move(r));
@@ -146,6 +147,7 @@ class P2P {
   int stage_, m_;
   std::vector<std::int64_t> shape_;
   at::ScalarType dtype_;
+  at::Device device_;
   PipelineResult& result_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::map<Key, Pending> recvs_, sends_;

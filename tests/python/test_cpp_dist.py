@@ -320,6 +320,12 @@ def test_cpp_trainer_refuses_what_it_cannot_do_yet():
                         "zero-bubble", "--virtual-pipeline-model-parallel-size", "2",
                         "--data-path", "x"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "use 'interleaved' or 'dynamic'" in p.stderr, p.stderr
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([TRAIN_GPT, "--distributed-backend", "nccl", "--data-path", "x"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and ("LOCAL_RANK 0 has no GPU" in p.stderr
+                                  or "backend 'nccl' is not available" in p.stderr), p.stderr
     p = subprocess.run([TRAIN_GPT, "--grad-compression", "int9", "--data-path", "x"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "int9" in p.stderr and "powersgd" in p.stderr, p.stderr
@@ -367,6 +373,8 @@ def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, flags):
     C++ one, each continuing the other's run within 1e-5."""
     common, py, cpp = _ckpt_runs(tmp_path, flags)
     assert all(abs(py[i] - cpp[i]) < 1e-5 for i in py), (py, cpp)
+    # Where the two trainers compute bit-identically, resuming across them must too.
+    tol = 0.0 if py == cpp else 1e-5
     r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cc.csv"),
                       "--load", str(tmp_path / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -378,14 +386,14 @@ def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, flags):
     assert r.returncode == 0, r.stderr[-2000:]
     from_py = _by_iteration(tmp_path / "cp.csv")
     assert sorted(from_py) == [4, 5, 6]
-    assert all(abs(from_py[i] - py[i]) < 1e-5 for i in from_py), (from_py, py)
+    assert all(abs(from_py[i] - py[i]) <= tol for i in from_py), (from_py, py)
     r = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
                       "--eval-iters", "0", "--output-dir", str(tmp_path / "pc"),
                       "--load", str(tmp_path / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     from_c = _by_iteration(tmp_path / "pc" / "loss.csv")
     assert sorted(from_c) == [4, 5, 6]
-    assert all(abs(from_c[i] - cpp[i]) < 1e-5 for i in from_c), (from_c, cpp)
+    assert all(abs(from_c[i] - cpp[i]) <= tol for i in from_c), (from_c, cpp)
 
 
 @pytest.mark.timeout(900)

@@ -14,8 +14,11 @@
 // group is registered with c10d under its name, so every operator of
 // mapp/torch/ops.h (and torch.ops.mapp.*) resolves it.
 //
-// Backend: Gloo (CPU tensors). Built only where Gloo's headers were found
-// (Debian: libgloo-dev); mapp::dist::available() says whether this build has it.
+// Backend: "gloo" (CPU tensors), or "nccl": every group then has an NCCL
+// backend for CUDA tensors (the current device is LOCAL_RANK's GPU) next to
+// its Gloo backend for CPU ones, as torch's "cpu:gloo,cuda:nccl". Built only
+// where Gloo's headers were found (Debian: libgloo-dev);
+// mapp::dist::available() / nccl_available() say what this build has.
 #pragma once
 
 #include <chrono>
@@ -44,11 +47,11 @@ struct LaunchEnv {
 LaunchEnv launch_env();
 
 struct InitOptions {
-  int tp = 1;  // --tensor-model-parallel-size
-  int pp = 1;  // --pipeline-model-parallel-size
-  int cp = 1;  // --context-parallel-size
-  int ep = 1;  // --expert-model-parallel-size
-  std::string backend = "gloo";
+  int tp = 1;                    // --tensor-model-parallel-size
+  int pp = 1;                    // --pipeline-model-parallel-size
+  int cp = 1;                    // --context-parallel-size
+  int ep = 1;                    // --expert-model-parallel-size
+  std::string backend = "gloo";  // or "nccl"
   // Groups whose members all run on this node move their CPU collectives
   // through shared memory (as Python's initialize_model_parallel does;
   // MAPP_SHM_COLLECTIVES=0 turns it off).
@@ -108,6 +111,8 @@ class ParallelState {
 
 // Whether this build can create process groups from C++ (Gloo headers found).
 bool available();
+// Whether it can create NCCL backends (built with CUDA against a CUDA torch).
+bool nccl_available();
 
 // init(launch_env(), options). Throws ValueError for a world the sizes do not
 // divide (naming every factor, as Python does) and BackendError when the

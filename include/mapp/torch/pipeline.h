@@ -50,7 +50,8 @@ struct PipelineChunk {
 struct PipelineOptions {
   std::vector<std::int64_t> tensor_shape;  // of the tensors between stages
   at::ScalarType dtype = at::kFloat;
-  bool forward_only = false;  // evaluation: the forwards only, without autograd
+  at::Device device = at::kCPU;  // of the received tensors (CUDA with NCCL groups)
+  bool forward_only = false;     // evaluation: the forwards only, without autograd
 };
 
 struct PipelineResult {
