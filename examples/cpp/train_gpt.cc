@@ -60,6 +60,8 @@ struct Args {
   double bucket_size_mb = 25.0;
   std::string data_path, loss_csv, save, load;
   std::string distributed_backend = "gloo";
+  std::string recompute_granularity, recompute_method;
+  int recompute_num_layers = 0;
   int save_interval = 0;
 };
 
@@ -134,6 +136,11 @@ int main(int argc, char** argv) {
   app.add_option("--hidden-dropout", a.hidden_dropout);
   app.add_option("--attention-dropout", a.attention_dropout);
   app.add_flag("--sequence-parallel", a.sequence_parallel);
+  app.add_option("--recompute-granularity", a.recompute_granularity,
+                 "full: recompute the layers' activations in backward");
+  app.add_option("--recompute-method", a.recompute_method, "uniform or block");
+  app.add_option("--recompute-num-layers", a.recompute_num_layers,
+                 "layers per recomputed group (uniform) / first N layers per stage (block)");
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "ZeRO-1: shard optimizer state over data-parallel ranks");
   app.add_option("--grad-compression", a.grad_compression,
@@ -209,6 +216,9 @@ int main(int argc, char** argv) {
     cfg.ffn_hidden_size = a.ffn_hidden_size;
     cfg.init_method_std = a.init_method_std;
     cfg.sequence_parallel = a.sequence_parallel;
+    cfg.recompute_granularity = a.recompute_granularity;
+    cfg.recompute_method = a.recompute_method;
+    cfg.recompute_num_layers = a.recompute_num_layers;
     // This rank's chunks: chunk c is virtual stage c * pp + pp_rank, with its
     // share of the layers (global numbers: the same weights at every pp).
     const int per = a.num_layers / (a.pp * v);

@@ -4,9 +4,12 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -63,6 +66,38 @@ struct ScatterToSP : torch::autograd::Function<ScatterToSP> {
   }
 };
 
+// Full recomputation: forward without keeping the graph (only the input is
+// saved); backward runs `fn` again with autograd on and back-propagates
+// through it (reentrant, as Megatron's CheckpointFunction). Inside a
+// zero-bubble BI the recomputed layers' weight gradients are deferred as any.
+struct FnHolder : torch::CustomClassHolder {
+  explicit FnHolder(std::function<at::Tensor(const at::Tensor&)> f) : fn(std::move(f)) {}
+  std::function<at::Tensor(const at::Tensor&)> fn;
+};
+
+struct Recompute : torch::autograd::Function<Recompute> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const std::function<at::Tensor(const at::Tensor&)>& fn) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["fn"] = c10::IValue::make_capsule(c10::make_intrusive<FnHolder>(fn));
+    at::NoGradGuard no_grad;
+    return fn(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto holder =
+        c10::static_intrusive_pointer_cast<FnHolder>(ctx->saved_data["fn"].toCapsule());
+    at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    at::Tensor y;
+    {
+      at::AutoGradMode enable(true);
+      y = holder->fn(x);
+    }
+    torch::autograd::backward({y}, {g[0]});
+    return {x.grad(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 void GPTConfig::check(int tp) const {
@@ -74,6 +109,20 @@ void GPTConfig::check(int tp) const {
                                 {"num_attention_heads", num_attention_heads},
                                 {"ffn_hidden_size", ffn}})
     MAPP_CHECK(v % tp == 0, name, " (", v, ") is not divisible by the tensor-parallel size ", tp);
+  MAPP_CHECK(recompute_granularity.empty() || recompute_granularity == "full",
+             "--recompute-granularity ", recompute_granularity,
+             ": the C++ GPT has 'full' (selective "
+             "recomputation is not available from C++ yet)");
+  if (recompute_granularity == "full") {
+    MAPP_CHECK(recompute_method == "uniform" || recompute_method == "block",
+               "--recompute-granularity full needs --recompute-method uniform or block");
+    MAPP_CHECK(recompute_num_layers >= 1,
+               "--recompute-granularity full needs --recompute-num-layers N (N >= 1): layers per "
+               "recomputed group (uniform) or the first N layers of each stage (block)");
+  } else {
+    MAPP_CHECK(recompute_method.empty(), "--recompute-method ", recompute_method,
+               " applies only to --recompute-granularity full");
+  }
 }
 
 ParallelAttentionImpl::ParallelAttentionImpl(const GPTConfig& cfg, const dist::ParallelState& st,
@@ -208,7 +257,7 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input, const at::Tensor& labe
     x = x.transpose(0, 1).contiguous();  // [s, b, h]
     if (config.sequence_parallel) x = ScatterToSP::apply(x, group_);
   }
-  for (const auto& layer : *layers) x = layer->as<TransformerLayer>()->forward(x);
+  x = layers_forward(x);
   if (!stage.post_process) return x;
   x = final_layernorm(x);
   // Tied output layer: the word embeddings' shard gives this rank's vocabulary slice.
@@ -217,6 +266,29 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input, const at::Tensor& labe
   const at::Tensor logits = mapp::nn::linear(x, word_embeddings->weight);  // [s, b, V/tp]
   if (!labels.defined()) return logits.transpose(0, 1);
   return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group_).transpose(0, 1);
+}
+
+at::Tensor GPTModelImpl::layers_forward(const at::Tensor& input) {
+  const auto n = static_cast<std::int64_t>(layers->size());
+  auto run = [this](std::int64_t lo, std::int64_t hi) {
+    return [this, lo, hi](const at::Tensor& x) {
+      at::Tensor y = x;
+      for (std::int64_t i = lo; i < hi; ++i) y = (*layers)[i]->as<TransformerLayer>()->forward(y);
+      return y;
+    };
+  };
+  if (config.recompute_granularity != "full" || !is_training() || !at::GradMode::is_enabled())
+    return run(0, n)(input);
+  const std::int64_t k = config.recompute_num_layers;
+  at::Tensor x = input;
+  if (config.recompute_method == "uniform") {
+    for (std::int64_t lo = 0; lo < n; lo += k)
+      x = Recompute::apply(x, run(lo, std::min(n, lo + k)));
+    return x;
+  }
+  for (std::int64_t i = 0; i < n; ++i)
+    x = i < k ? Recompute::apply(x, run(i, i + 1)) : run(i, i + 1)(x);
+  return x;
 }
 
 }  // namespace mapp::nn

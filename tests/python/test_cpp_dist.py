@@ -287,8 +287,17 @@ PIPE_FLAGS = [f if f != "2" or GPT_FLAGS[i - 1] != "--num-layers" else "4"
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dynamic",
      "--pipeline-replan-interval", "5", "--grad-compression", "powersgd:2",
      "--bucket-size-mb", "0.1"],
+    # full recomputation: uniform groups of 2 under zero-bubble's deferred weights,
+    # and block (first layer of each chunk) under interleaving with ZeRO-1
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+     "--pipeline-schedule", "zero-bubble", "--recompute-granularity", "full",
+     "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+     "--recompute-granularity", "full", "--recompute-method", "block",
+     "--recompute-num-layers", "1", "--use-distributed-optimizer"],
 ], ids=["tp2-pp2-1f1b", "tp2-pp2-zero-bubble", "pp2-vp2-dp2-int8-zero1", "tp2-sp-pp2-gpipe",
-        "pp4-dynamic-dfc", "pp2-dp2-adaptive-powersgd"])
+        "pp4-dynamic-dfc", "pp2-dp2-adaptive-powersgd", "tp2-pp2-zb-recompute-uniform",
+        "pp2-vp2-dp2-recompute-block-zero1"])
 def test_cpp_pipeline_trainer_gives_pretrain_gpt_losses(tmp_path, flags):
     """train_gpt with --pipeline-model-parallel-size: mapp::forward_backward
     over the C++ schedule IR (stages split as pretrain_gpt.py splits them,
@@ -322,6 +331,15 @@ def test_cpp_trainer_refuses_what_it_cannot_do_yet():
     assert p.returncode == 1 and "use 'interleaved' or 'dynamic'" in p.stderr, p.stderr
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    corpus = os.path.join(ROOT, "python", "megatronapp", "assets", "kjv_excerpt.txt")
+    for flags, want in ((["--recompute-granularity", "selective"], "selective recomputation"),
+                        (["--recompute-granularity", "full"], "--recompute-method uniform or block"),
+                        (["--recompute-granularity", "full", "--recompute-method", "block"],
+                         "--recompute-num-layers N")):
+        p = subprocess.run([TRAIN_GPT, *flags, "--data-path", corpus], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and want in p.stderr, p.stderr
+    env["MASTER_PORT"] = str(free_port())
     p = subprocess.run([TRAIN_GPT, "--distributed-backend", "nccl", "--data-path", "x"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and ("LOCAL_RANK 0 has no GPU" in p.stderr

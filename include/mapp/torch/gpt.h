@@ -15,8 +15,8 @@
 // whose gradient is summed with the first stage's over the embedding group
 // (mapp::finish_gradients does it).
 //
-// Not here yet: dropout, recomputation, context parallelism, mixture of
-// experts, untied output weights.
+// Not here yet: dropout, selective recomputation, context parallelism,
+// mixture of experts, untied output weights.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -26,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "mapp/torch/dist.h"
@@ -43,6 +44,14 @@ struct GPTConfig {
   double init_method_std = 0.02;
   double layernorm_epsilon = 1e-5;
   bool sequence_parallel = false;
+  // Full activation recomputation (Megatron's --recompute-granularity full):
+  // "uniform" keeps only the input of every group of recompute_num_layers
+  // consecutive layers of a stage and recomputes the group in backward;
+  // "block" recomputes each of the first recompute_num_layers layers of a
+  // stage. "" (default): none.
+  std::string recompute_granularity;
+  std::string recompute_method;
+  std::int64_t recompute_num_layers = 0;
   // Throws ValueError naming the field for shapes that do not divide.
   void check(int tp_size) const;
 };
@@ -96,6 +105,8 @@ class GPTModelImpl : public torch::nn::Module {
   // loss [b, s] (float32) when labels are given, else the vocabulary-sharded
   // logits [b, s, V/tp] (post_process; else hidden states [s, b, h]).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& labels = {});
+  // The stage's layers, with full recomputation as configured.
+  at::Tensor layers_forward(const at::Tensor& x);
   GPTConfig config;
   GPTStage stage;
   VocabParallelEmbedding word_embeddings{nullptr};
