@@ -20,12 +20,14 @@
 // the other's.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -41,6 +43,7 @@
 #include "mapp/torch/gpt.h"
 #include "mapp/torch/ops.h"
 #include "mapp/torch/pipeline.h"
+#include "mapp/trace/tracer.h"
 
 namespace {
 
@@ -60,6 +63,8 @@ struct Args {
   double bucket_size_mb = 25.0;
   std::string data_path, loss_csv, save, load;
   std::string distributed_backend = "gloo";
+  bool trace = false;
+  std::string trace_dir = "runs/trace";
   std::string recompute_granularity, recompute_method;
   int recompute_num_layers = 0;
   int save_interval = 0;
@@ -152,6 +157,9 @@ int main(int argc, char** argv) {
                "reduce gradients at the end of backward instead of during it");
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
+  app.add_flag("--trace", a.trace,
+               "record a Chrome trace per rank (python -m megatronapp.trace aggregate)");
+  app.add_option("--trace-dir", a.trace_dir, "per-rank trace files");
   app.add_option("--distributed-backend", a.distributed_backend,
                  "gloo (CPU) or nccl (one GPU per rank: cuda:LOCAL_RANK)")
       ->check(CLI::IsMember({"gloo", "nccl"}));
@@ -297,6 +305,21 @@ int main(int argc, char** argv) {
         std::printf("[megatronapp] no checkpoint in %s; starting from scratch\n", a.load.c_str());
       }
     }
+    if (a.trace) {  // the files megatronapp.trace reads: trace.rank<R>.json + its meta
+      namespace fs = std::filesystem;
+      fs::create_directories(a.trace_dir);
+      const std::string base =
+          (fs::path(a.trace_dir) / ("trace.rank" + std::to_string(st.rank()))).string();
+      char host[256] = {0};
+      ::gethostname(host, sizeof(host) - 1);
+      std::ofstream(base + ".meta.json")
+          << "{\"rank\": " << st.rank() << ", \"clock\": \"monotonic\", \"host\": \"" << host
+          << "\", \"interval\": 1, \"iterations\": null, \"granularity\": \"full\", \"tp\": "
+          << st.tp_rank() << ", \"pp\": " << st.pp_rank() << ", \"dp\": " << st.dp_rank()
+          << ", \"tp_size\": " << st.tp_size() << ", \"pp_size\": " << st.pp_size()
+          << ", \"dp_size\": " << dp << ", \"world\": " << st.world_size() << "}\n";
+      mapp::trace::install(std::make_unique<mapp::trace::Tracer>(st.rank(), base + ".json"));
+    }
     int saved_at = -1;
     std::ofstream csv;
     if (st.rank() == 0 && !a.loss_csv.empty()) {
@@ -306,6 +329,8 @@ int main(int argc, char** argv) {
     const std::string& g_tp = st.tensor_group();
     for (int it = start; it < a.train_iters; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
+      if (auto* tracer = mapp::trace::global()) tracer->set_iteration(it);
+      mapp::trace::Scope iteration_scope("iteration", mapp::trace::Category::kIteration);
       const double lr = lr_at(a, it);
       if (zero) {
         zero->set_lr(lr);
@@ -338,12 +363,15 @@ int main(int argc, char** argv) {
       // The data-parallel average (waits for the buckets), the
       // sequence-parallel sums, one global norm and clipping, the update.
       double norm;
-      if (zero) {
-        norm = zero->clip_grad_norm(a.clip_grad);
-        zero->step();
-      } else {
-        norm = mapp::finish_gradients(ddp_ptrs, st, a.clip_grad);
-        adamw->step();
+      {
+        mapp::trace::Scope optimizer_scope("optimizer", mapp::trace::Category::kOptimizer);
+        if (zero) {
+          norm = zero->clip_grad_norm(a.clip_grad);
+          zero->step();
+        } else {
+          norm = mapp::finish_gradients(ddp_ptrs, st, a.clip_grad);
+          adamw->step();
+        }
       }
       const int dpc = dp * st.cp_size();
       mapp::torch_ext::all_reduce_sum_(total, st.world_group());
@@ -367,6 +395,7 @@ int main(int argc, char** argv) {
     if (!a.save.empty() && saved_at != a.train_iters && start < a.train_iters)
       mapp::save_checkpoint(a.save, a.train_iters, ckpt_chunks, st, ckpt_options(a.train_iters));
     std::fflush(stdout);
+    mapp::trace::uninstall();  // flushes and closes the trace file
     mapp::dist::destroy(st);
     return 0;
   } catch (const std::exception& e) {

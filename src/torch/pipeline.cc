@@ -19,6 +19,7 @@
 
 #include "c10d_util.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/faults.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
 #include "mapp/trace/tracer.h"
@@ -56,6 +57,18 @@ class P2P {
         device_(o.device),
         result_(result) {
     if (st.pp_size() > 1) pg_ = torch_ext::internal::resolve(group_);
+    // Global ranks of the stages (trace events name them as Python's do).
+    Coord c = st.grid().coord(st.rank());
+    for (int s2 = 0; s2 < st.pp_size(); ++s2) {
+      c.pp = s2;
+      global_.push_back(st.grid().rank(c));
+    }
+  }
+
+  // "p2p:<src>-><dst>" of global ranks: megatronapp.trace pairs each send
+  // with the receive wait that consumed it by this group and the tag.
+  std::string link(int from_stage, int to_stage) const {
+    return "p2p:" + std::to_string(global_[from_stage]) + "->" + std::to_string(global_[to_stage]);
   }
 
   int tag(const Key& k) const {
@@ -85,10 +98,10 @@ class P2P {
     {
       trace::Scope scope("recv_wait", trace::Category::kP2P);
       scope.event().microbatch = std::get<1>(key);
-      scope.event().peer = r.peer;
+      scope.event().peer = global_[r.peer];
       scope.event().seq = tag(key);
       scope.event().bytes = static_cast<std::int64_t>(r.tensors[0].nbytes());
-      scope.event().set_group(group_);
+      scope.event().set_group(link(r.peer, stage_));
       wait(r, "receive");
     }
     result_.recv_wait_seconds +=
@@ -114,7 +127,16 @@ class P2P {
     Pending s;
     s.tensors = {t};
     s.peer = peer;
-    s.work = pg_->send(s.tensors, peer, tag(key));
+    {
+      trace::Scope scope("send", trace::Category::kP2P);
+      scope.event().lane = trace::kP2PLane;
+      scope.event().microbatch = std::get<1>(key);
+      scope.event().peer = global_[peer];
+      scope.event().seq = tag(key);
+      scope.event().bytes = static_cast<std::int64_t>(t.nbytes());
+      scope.event().set_group(link(stage_, peer));
+      s.work = pg_->send(s.tensors, peer, tag(key));
+    }
     result_.sent_bytes += static_cast<std::int64_t>(t.nbytes());
     sends_.emplace(key, std::move(s));
   }
@@ -150,6 +172,7 @@ class P2P {
   at::Device device_;
   PipelineResult& result_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::vector<int> global_;  // stage -> global rank
   std::map<Key, Pending> recvs_, sends_;
 };
 
@@ -216,6 +239,9 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
   if (options.forward_only) no_grad = std::make_unique<at::NoGradGuard>();
   const int last_vs = p * v - 1;
   int live = 0;
+  // MAPP_INJECT_SLOWDOWN naming this rank: its actions do `factor` x their work.
+  std::optional<faults::Slowdown> slow = faults::injected_slowdown();
+  if (slow && (slow->rank != st.rank() || slow->factor == 1.0)) slow.reset();
   // Synchronize only where the executor says (final backwards); restored after.
   for (const auto& c : chunks)
     if (c.ddp != nullptr && !options.forward_only) c.ddp->set_sync(false);
@@ -262,6 +288,7 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
     scope.event().microbatch = mb;
     scope.event().chunk = c;
     const auto t0 = std::chrono::steady_clock::now();
+    const std::int64_t thread_t0 = slow ? faults::thread_time_ns() : 0;
     DistributedDataParallel* ddp = chunks[c].ddp;
     if (ddp != nullptr && !options.forward_only) ddp->set_sync(final.count(i) > 0);
     const char* kind = pipeline::type_name(a.type);
@@ -298,6 +325,8 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
       }
       if (vs == 0) input_of.erase(id);  // nothing to send back
     }
+    if (slow && (a.type == ActionType::kForward ? slow->forward : slow->backward))
+      faults::stall_since(thread_t0, slow->factor - 1.0);
     auto& [sum, n] = times[kind];
     sum += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++n;

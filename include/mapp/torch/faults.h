@@ -1,0 +1,32 @@
+// Fault injection for C++ trainers, the variables megatronapp.faults reads
+// (docs/tracing.md), so a C++ run can be checked by the slow-rank detector:
+//
+//   MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward|backward|all"
+//
+// emulates a down-clocked device on global rank 1: mapp::forward_backward
+// keeps the thread busy, after each forward (F) and/or backward (B, BI, W)
+// action of that rank, for (factor - 1) x the thread CPU time the action
+// took, so its busy time grows like a slower device's.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+namespace mapp::faults {
+
+struct Slowdown {
+  int rank = -1;
+  double factor = 1.0;
+  bool forward = false, backward = false;
+};
+
+// The parsed MAPP_INJECT_SLOWDOWN (nullopt when unset); ValueError naming
+// the variable for a malformed value.
+std::optional<Slowdown> injected_slowdown();
+
+// CPU time of the calling thread, and a busy wait for `extra` x the thread
+// time since `t0`.
+std::int64_t thread_time_ns();
+void stall_since(std::int64_t t0, double extra);
+
+}  // namespace mapp::faults

@@ -1,0 +1,69 @@
+// MAPP_INJECT_SLOWDOWN for C++ trainers (include/mapp/torch/faults.h), as
+// python/megatronapp/faults.py parses it.
+#include "mapp/torch/faults.h"
+
+#include <ctime>
+#include <stdexcept>
+#include <string>
+
+#include "mapp/common/check.h"
+#include "mapp/common/tunables.h"
+
+namespace mapp::faults {
+
+std::int64_t thread_time_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+void stall_since(std::int64_t t0, double extra) {
+  const std::int64_t now = thread_time_ns();
+  const std::int64_t until = now + static_cast<std::int64_t>(extra * static_cast<double>(now - t0));
+  while (thread_time_ns() < until) {  // busy: the device is working
+  }
+}
+
+std::optional<Slowdown> injected_slowdown() {
+  const std::string text = tunable_string("MAPP_INJECT_SLOWDOWN");
+  if (text.empty()) return std::nullopt;
+  Slowdown s;
+  std::string phase = "all";
+  bool has_rank = false, has_factor = false;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t end = std::min(text.find(',', pos), text.size());
+    const std::string part = text.substr(pos, end - pos);
+    const std::size_t eq = part.find('=');
+    MAPP_CHECK(eq != std::string::npos, "MAPP_INJECT_SLOWDOWN='", text,
+               "': expected comma-separated key=value pairs with keys factor, phase, rank");
+    const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
+    MAPP_CHECK(k == "rank" || k == "factor" || k == "phase", "MAPP_INJECT_SLOWDOWN: unknown key '",
+               k, "' (expected factor, phase, rank)");
+    try {
+      if (k == "rank") {
+        s.rank = std::stoi(v);
+        has_rank = true;
+      } else if (k == "factor") {
+        s.factor = std::stod(v);
+        has_factor = true;
+      } else {
+        phase = v;
+      }
+    } catch (const std::logic_error&) {
+      MAPP_CHECK(false, "MAPP_INJECT_SLOWDOWN: '", v, "' is not a number for ", k);
+    }
+    pos = end + 1;
+  }
+  MAPP_CHECK(has_rank && has_factor, "MAPP_INJECT_SLOWDOWN='", text,
+             "': rank and factor are required");
+  MAPP_CHECK(phase == "forward" || phase == "backward" || phase == "all",
+             "MAPP_INJECT_SLOWDOWN: phase must be one of forward, backward, all; got '", phase,
+             "'");
+  MAPP_CHECK(s.factor >= 1.0, "MAPP_INJECT_SLOWDOWN: factor must be >= 1, got ", s.factor);
+  s.forward = phase != "backward";
+  s.backward = phase != "forward";
+  return s;
+}
+
+}  // namespace mapp::faults
