@@ -192,11 +192,10 @@ class Assembler {
            " in the checkpoint but " + json(want).dump() +
            " in this model (a checkpoint from an incompatible model?)");
     at::Tensor out = at::empty(gshape, dtype);
-    std::map<std::string, std::vector<const json*>> shards;  // tp_slice (as text) -> pieces
-    for (const json& pc : it->second) shards[pc.at("tp_slice").dump()].push_back(&pc);
+    std::map<json, std::vector<const json*>> shards;  // tp_slice -> pieces
+    for (const json& pc : it->second) shards[pc.at("tp_slice")].push_back(&pc);
     std::int64_t covered = 0;
-    for (const auto& [key, pieces] : shards) {
-      const json sl = json::parse(key);
+    for (const auto& [sl, pieces] : shards) {
       at::Tensor region = sl.is_null()
                               ? out
                               : out.narrow(sl[0].get<std::int64_t>(), sl[1].get<std::int64_t>(),
@@ -541,16 +540,14 @@ std::optional<CheckpointInfo> load_checkpoint(const std::string& dir_or_path,
   auto load_moments = [&](torch::optim::AdamW& opt, const at::Tensor& target, const Param& p,
                           const std::string& n, std::int64_t lo, std::int64_t hi) {
     if (!asm_.has(n, "exp_avg")) return;
-    auto& s = adamw_state(opt, target);
-    for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+    auto moment = [&](const char* kind) {  // this rank's part, shaped like `target`
       at::Tensor m = mine(asm_.full(n, kind, global_shape(p, st), at::kFloat), p, st);
       if (lo >= 0) m = m.reshape(-1).slice(0, lo, hi);
-      m = m.to(target.scalar_type()).reshape(target.sizes()).clone();
-      if (std::strcmp(kind, "exp_avg") == 0)
-        s.exp_avg(m);
-      else
-        s.exp_avg_sq(m);
-    }
+      return m.to(target.scalar_type()).reshape(target.sizes()).clone();
+    };
+    auto& s = adamw_state(opt, target);
+    s.exp_avg(moment("exp_avg"));
+    s.exp_avg_sq(moment("exp_avg_sq"));
     if (asm_.has(n, "step"))
       s.step(static_cast<std::int64_t>(asm_.scalar(n, "step").item<double>()));
   };

@@ -219,11 +219,31 @@ def _torchrun(world, argv, timeout=300):
                            *argv], capture_output=True, text=True, timeout=timeout)
 
 
-def _losses(path):
+def _by_iteration(path):
     import csv
 
     with open(path) as f:
-        return [float(r["loss"]) for r in csv.DictReader(f)]
+        return {int(r["iteration"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+
+def _run_both(tmp_path, world, common, py_extra=(), cpp_extra=()):
+    """pretrain_gpt.py and train_gpt with the same flags: their losses by iteration."""
+    py = _torchrun(world, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common,
+                           "--no-progress", "--eval-iters", "0",
+                           "--output-dir", str(tmp_path / "py"), *py_extra])
+    assert py.returncode == 0, py.stderr[-2000:]
+    cpp = _torchrun(world, ["--no-python", TRAIN_GPT, *common,
+                            "--loss-csv", str(tmp_path / "c.csv"), *cpp_extra])
+    assert cpp.returncode == 0, cpp.stderr[-2000:]
+    return _by_iteration(tmp_path / "py" / "loss.csv"), _by_iteration(tmp_path / "c.csv")
+
+
+def _assert_same_20_losses(tmp_path, world, common):
+    want, got = (list(d.values()) for d in _run_both(tmp_path, world, common))
+    assert len(want) == len(got) == 20
+    for a, b in zip(want, got, strict=True):
+        assert abs(a - b) < 1e-5, (want, got)
+    assert got[-1] < got[0] - 1.0  # it trains
 
 
 @pytest.mark.timeout(600)
@@ -249,19 +269,7 @@ def test_cpp_trainer_gives_pretrain_gpt_losses(tmp_path, world, flags):
     and the C++ ZeRO-1 optimizer."""
     from megatronapp.data import default_corpus
 
-    common = GPT_FLAGS + flags + ["--data-path", default_corpus()]
-    py = _torchrun(world, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common,
-                           "--no-progress", "--eval-iters", "0",
-                           "--output-dir", str(tmp_path / "py")])
-    assert py.returncode == 0, py.stderr[-2000:]
-    cpp = _torchrun(world, ["--no-python", TRAIN_GPT, *common,
-                            "--loss-csv", str(tmp_path / "cpp.csv")])
-    assert cpp.returncode == 0, cpp.stderr[-2000:]
-    want, got = _losses(tmp_path / "py" / "loss.csv"), _losses(tmp_path / "cpp.csv")
-    assert len(want) == len(got) == 20
-    for a, b in zip(want, got, strict=True):
-        assert abs(a - b) < 1e-5, (want, got)
-    assert got[-1] < got[0] - 1.0  # it trains
+    _assert_same_20_losses(tmp_path, world, GPT_FLAGS + flags + ["--data-path", default_corpus()])
 
 
 PIPE_FLAGS = [f if f != "2" or GPT_FLAGS[i - 1] != "--num-layers" else "4"
@@ -305,17 +313,7 @@ def test_cpp_pipeline_trainer_gives_pretrain_gpt_losses(tmp_path, flags):
     pretrain_gpt.py, 4 ranks, 4 layers: every loss of 20 steps within 1e-5."""
     from megatronapp.data import default_corpus
 
-    common = PIPE_FLAGS + flags + ["--data-path", default_corpus()]
-    py = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common,
-                       "--no-progress", "--eval-iters", "0", "--output-dir", str(tmp_path / "py")])
-    assert py.returncode == 0, py.stderr[-2000:]
-    cpp = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "c.csv")])
-    assert cpp.returncode == 0, cpp.stderr[-2000:]
-    want, got = _losses(tmp_path / "py" / "loss.csv"), _losses(tmp_path / "c.csv")
-    assert len(want) == len(got) == 20
-    for a, b in zip(want, got, strict=True):
-        assert abs(a - b) < 1e-5, (want, got)
-    assert got[-1] < got[0] - 1.0  # it trains
+    _assert_same_20_losses(tmp_path, 4, PIPE_FLAGS + flags + ["--data-path", default_corpus()])
 
 
 def test_cpp_trainer_refuses_what_it_cannot_do_yet():
@@ -358,21 +356,10 @@ def _ckpt_runs(tmp_path, flags, steps=6):
 
     common = [f if f != "20" else str(steps) for f in PIPE_FLAGS] + flags + [
         "--data-path", default_corpus()]
-    py = _torchrun(4, [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *common, "--no-progress",
-                       "--eval-iters", "0", "--output-dir", str(tmp_path / "py"),
-                       "--save", str(tmp_path / "pyck"), "--save-interval", "3"])
-    assert py.returncode == 0, py.stderr[-2000:]
-    cpp = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "c.csv"),
-                        "--save", str(tmp_path / "cck"), "--save-interval", "3"])
-    assert cpp.returncode == 0, cpp.stderr[-2000:]
-    return common, _by_iteration(tmp_path / "py" / "loss.csv"), _by_iteration(tmp_path / "c.csv")
-
-
-def _by_iteration(path):
-    import csv
-
-    with open(path) as f:
-        return {int(r["iteration"]): float(r["loss"]) for r in csv.DictReader(f)}
+    py, cpp = _run_both(tmp_path, 4, common,
+                        ["--save", str(tmp_path / "pyck"), "--save-interval", "3"],
+                        ["--save", str(tmp_path / "cck"), "--save-interval", "3"])
+    return common, py, cpp
 
 
 @pytest.mark.timeout(900)
