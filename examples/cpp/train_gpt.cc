@@ -40,6 +40,7 @@
 #include "mapp/torch/checkpoint.h"
 #include "mapp/torch/ddp.h"
 #include "mapp/torch/dist.h"
+#include "mapp/torch/faults.h"
 #include "mapp/torch/gpt.h"
 #include "mapp/torch/ops.h"
 #include "mapp/torch/pipeline.h"
@@ -330,6 +331,7 @@ int main(int argc, char** argv) {
     for (int it = start; it < a.train_iters; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
       if (auto* tracer = mapp::trace::global()) tracer->set_iteration(it);
+      mapp::faults::set_iteration(it);
       mapp::trace::Scope iteration_scope("iteration", mapp::trace::Category::kIteration);
       const double lr = lr_at(a, it);
       if (zero) {

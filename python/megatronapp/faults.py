@@ -11,6 +11,9 @@ busy for (factor - 1) x the busy time it just took before its output (or input
 gradient) is released, so the busy time grows like a slower device's and the
 collectives that depend on the layer are delayed accordingly.
 
+An optional ``start=K`` applies the slowdown from iteration K on (a device
+that degrades mid-run; online detection compares it with its own history).
+
 ``MAPP_INJECT_KILL="rank=2,iteration=3"`` SIGKILLs global rank 2 at the start
 of iteration 3 (dead-rank tests).
 
@@ -47,7 +50,7 @@ def _parse(var: str, keys: dict) -> dict | None:
             out[k] = keys[k](v)
         except ValueError:
             raise ValueError(f"{var}: bad value '{v}' for '{k}'") from None
-    missing = [k for k in keys if k not in out and k != "phase"]
+    missing = [k for k in keys if k not in out and k not in ("phase", "start")]
     if missing:
         raise ValueError(f"{var}='{text}': missing {missing}")
     return out
@@ -55,10 +58,12 @@ def _parse(var: str, keys: dict) -> dict | None:
 
 def slowdown() -> dict | None:
     """The parsed MAPP_INJECT_SLOWDOWN, or None."""
-    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": int, "factor": float, "phase": str})
+    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": int, "factor": float, "phase": str,
+                                           "start": int})
     if spec is None:
         return None
     spec.setdefault("phase", "all")
+    spec.setdefault("start", 0)
     if spec["phase"] not in _PHASES:
         raise ValueError(f"MAPP_INJECT_SLOWDOWN: phase must be one of {_PHASES}, "
                          f"got '{spec['phase']}'")
@@ -86,16 +91,16 @@ def apply_slowdown(modules, rank: int) -> bool:
     spec = slowdown()
     if spec is None or spec["rank"] != rank or spec["factor"] == 1.0:
         return False
-    extra = spec["factor"] - 1.0
+    extra, start = spec["factor"] - 1.0, spec["start"]
     fwd = spec["phase"] in ("forward", "all")
     bwd = spec["phase"] in ("backward", "all")
     for m in modules:
         if fwd:
             m.register_forward_pre_hook(_start_timer("_mapp_fwd_t0"))
-            m.register_forward_hook(_stall("_mapp_fwd_t0", extra))
+            m.register_forward_hook(_stall("_mapp_fwd_t0", extra, start))
         if bwd:
             m.register_full_backward_pre_hook(_start_timer("_mapp_bwd_t0"))
-            m.register_full_backward_hook(_stall("_mapp_bwd_t0", extra))
+            m.register_full_backward_hook(_stall("_mapp_bwd_t0", extra, start))
     return True
 
 
@@ -105,18 +110,23 @@ def _start_timer(attr):
     return hook
 
 
-def _stall(attr, extra):
+def _stall(attr, extra, start=0):
     def hook(module, *_):
         t0 = getattr(module, attr, None)
-        if t0 is not None:
+        if t0 is not None and _ITERATION["it"] >= start:
             until = time.thread_time_ns() + int(extra * (time.thread_time_ns() - t0))
             while time.thread_time_ns() < until:  # busy: the device is working
                 pass
     return hook
 
 
+_ITERATION = {"it": 0}
+
+
 def maybe_kill(rank: int, iteration: int) -> None:
-    """Honours MAPP_INJECT_KILL."""
+    """Called at the start of every training iteration: honours
+    MAPP_INJECT_KILL and MAPP_INJECT_SLOWDOWN's ``start``."""
+    _ITERATION["it"] = iteration
     spec = _parse("MAPP_INJECT_KILL", {"rank": int, "iteration": int})
     if spec is not None and spec["rank"] == rank and spec["iteration"] == iteration:
         import signal

@@ -10,8 +10,7 @@ namespace mapp {
 // The table. Add a row here (and nowhere else) to introduce a variable.
 const std::vector<Tunable>& tunables() {
   static const std::vector<Tunable> table = {
-      {"MAPP_LOG_LEVEL", "info",
-       "threshold of library log lines: debug, info, warn, error, off"},
+      {"MAPP_LOG_LEVEL", "info", "threshold of library log lines: debug, info, warn, error, off"},
       {"MAPP_COLLECTIVE_TIMEOUT_S", "300",
        "seconds a blocking collective of ours may wait before it fails with an "
        "error naming the operation and group"},
@@ -36,8 +35,8 @@ const std::vector<Tunable>& tunables() {
        "sends a message through shared memory only when slots x slot bytes hold it whole"},
       // Fault injection (python/megatronapp/faults.py parses the values).
       {"MAPP_INJECT_SLOWDOWN", "",
-       "fault injection: 'rank=R,factor=F[,phase=forward|backward|all]' makes rank R's "
-       "transformer layers F times slower"},
+       "fault injection: 'rank=R,factor=F[,phase=forward|backward|all][,start=K]' makes rank "
+       "R's transformer layers F times slower (from iteration K on)"},
       {"MAPP_INJECT_KILL", "",
        "fault injection: 'rank=R,iteration=I' SIGKILLs rank R at the start of iteration I"},
       {"MAPP_INJECT_LINK_DELAY", "",

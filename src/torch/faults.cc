@@ -2,6 +2,7 @@
 // python/megatronapp/faults.py parses it.
 #include "mapp/torch/faults.h"
 
+#include <atomic>
 #include <ctime>
 #include <stdexcept>
 #include <string>
@@ -24,6 +25,13 @@ void stall_since(std::int64_t t0, double extra) {
   }
 }
 
+namespace {
+std::atomic<int> current_iteration{0};
+}  // namespace
+
+void set_iteration(int it) { current_iteration.store(it, std::memory_order_relaxed); }
+int iteration() { return current_iteration.load(std::memory_order_relaxed); }
+
 std::optional<Slowdown> injected_slowdown() {
   const std::string text = tunable_string("MAPP_INJECT_SLOWDOWN");
   if (text.empty()) return std::nullopt;
@@ -36,14 +44,16 @@ std::optional<Slowdown> injected_slowdown() {
     const std::string part = text.substr(pos, end - pos);
     const std::size_t eq = part.find('=');
     MAPP_CHECK(eq != std::string::npos, "MAPP_INJECT_SLOWDOWN='", text,
-               "': expected comma-separated key=value pairs with keys factor, phase, rank");
+               "': expected comma-separated key=value pairs with keys factor, phase, rank, start");
     const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
-    MAPP_CHECK(k == "rank" || k == "factor" || k == "phase", "MAPP_INJECT_SLOWDOWN: unknown key '",
-               k, "' (expected factor, phase, rank)");
+    MAPP_CHECK(k == "rank" || k == "factor" || k == "phase" || k == "start",
+               "MAPP_INJECT_SLOWDOWN: unknown key '", k, "' (expected factor, phase, rank, start)");
     try {
       if (k == "rank") {
         s.rank = std::stoi(v);
         has_rank = true;
+      } else if (k == "start") {
+        s.start = std::stoi(v);
       } else if (k == "factor") {
         s.factor = std::stod(v);
         has_factor = true;

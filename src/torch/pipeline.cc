@@ -288,7 +288,11 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
     scope.event().microbatch = mb;
     scope.event().chunk = c;
     const auto t0 = std::chrono::steady_clock::now();
-    const std::int64_t thread_t0 = slow ? faults::thread_time_ns() : 0;
+    // On CPU the device's busy time is this thread's CPU time (as Python's
+    // trace scopes record it): waiting for a core does not count, so the
+    // slow-rank detector compares work, not scheduling luck.
+    const bool cpu_busy = options.device.is_cpu() && trace::global() != nullptr;
+    const std::int64_t thread_t0 = slow || cpu_busy ? faults::thread_time_ns() : 0;
     DistributedDataParallel* ddp = chunks[c].ddp;
     if (ddp != nullptr && !options.forward_only) ddp->set_sync(final.count(i) > 0);
     const char* kind = pipeline::type_name(a.type);
@@ -325,8 +329,10 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
       }
       if (vs == 0) input_of.erase(id);  // nothing to send back
     }
-    if (slow && (a.type == ActionType::kForward ? slow->forward : slow->backward))
+    if (slow && faults::iteration() >= slow->start &&
+        (a.type == ActionType::kForward ? slow->forward : slow->backward))
       faults::stall_since(thread_t0, slow->factor - 1.0);
+    if (cpu_busy) scope.event().busy_ns = faults::thread_time_ns() - thread_t0;
     auto& [sum, n] = times[kind];
     sum += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++n;

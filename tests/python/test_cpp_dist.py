@@ -461,11 +461,10 @@ def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flags,inject,culprit,cause", [
-    # PP2 x DP2: the trace and its P2P flows only. Detection there is not
-    # asserted: on 2 cores a rank spinning on one core delays its peers'
-    # Gloo transfers, and the detector then blames a link in about 1 run of
-    # 4 (the false-alarm work of issue 21).
-    (["--pipeline-model-parallel-size", "2"], "rank=3,factor=1.5,phase=forward", None, None),
+    # PP2 x DP2: a rank spinning on one of 2 cores delays its peers' Gloo
+    # transfers; the statistical detector does not blame a link for that.
+    (["--pipeline-model-parallel-size", "2"], "rank=3,factor=1.5,phase=forward", 3,
+     "compute (forward)"),
     (["--tensor-model-parallel-size", "2"], "rank=2,factor=1.5,phase=backward", 2,
      "compute (backward)"),
     (["--tensor-model-parallel-size", "2"], "rank=1,factor=1.5,phase=forward", 1,
@@ -485,7 +484,7 @@ def test_cpp_traces_feed_the_slow_rank_detector(tmp_path, flags, inject, culprit
     port = free_port()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                         "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
-                        TRAIN_GPT, *PIPE_FLAGS[:-2], "--train-iters", "8", *flags,
+                        TRAIN_GPT, *PIPE_FLAGS[:-2], "--train-iters", "12", *flags,
                         "--data-path", corpus, "--trace", "--trace-dir", trace_dir],
                        capture_output=True, text=True, timeout=500, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -496,8 +495,6 @@ def test_cpp_traces_feed_the_slow_rank_detector(tmp_path, flags, inject, culprit
     assert {"iteration", "forward", "backward", "optimizer", "all_reduce"} <= names, names
     if "pipeline" in flags[0]:  # P2P sends linked to the receive waits that consumed them
         assert any(e["ph"] == "s" for e in events)
-    if culprit is None:
-        return
     report = detect_dir(trace_dir)
     assert report["suspects"] and report["suspects"][0]["rank"] == culprit, report["all"]
     assert report["suspects"][0]["cause"] == cause

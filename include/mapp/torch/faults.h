@@ -1,7 +1,7 @@
 // Fault injection for C++ trainers, the variables megatronapp.faults reads
 // (docs/tracing.md), so a C++ run can be checked by the slow-rank detector:
 //
-//   MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward|backward|all"
+//   MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward|backward|all[,start=K]"
 //
 // emulates a down-clocked device on global rank 1: mapp::forward_backward
 // keeps the thread busy, after each forward (F) and/or backward (B, BI, W)
@@ -18,7 +18,13 @@ struct Slowdown {
   int rank = -1;
   double factor = 1.0;
   bool forward = false, backward = false;
+  int start = 0;  // first iteration slowed (`start=K`; see set_iteration)
 };
+
+// The training loop's current iteration (train_gpt calls it at the start of
+// every iteration): a slowdown with `start=K` applies once it reaches K.
+void set_iteration(int iteration);
+int iteration();
 
 // The parsed MAPP_INJECT_SLOWDOWN (nullopt when unset); ValueError naming
 // the variable for a malformed value.

@@ -8,7 +8,7 @@ import json
 import sys
 
 from .aggregate import merge
-from .detect import DEFAULT_THRESHOLD, detect, format_report
+from .detect import DEFAULT_ALPHA, DEFAULT_THRESHOLD, detect, format_report
 from .phases import breakdown_dir, format_breakdown
 
 
@@ -19,7 +19,12 @@ def main(argv=None) -> int:
     ag.add_argument("directory")
     ag.add_argument("-o", "--output", default="merged.json")
     ag.add_argument("--detect", action="store_true")
-    ag.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
+    ag.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                    help="smallest slowdown against peers worth naming (relative; "
+                         f"default {DEFAULT_THRESHOLD})")
+    ag.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                    help="error probability allowed for naming a rank that is not slow "
+                         f"(default {DEFAULT_ALPHA})")
     ag.add_argument("--report", default=None, help="write the detection report as JSON")
     ph = sub.add_parser("phases", help="median time per phase of the traced iterations, "
                                        "per rank (compute, TP collectives, P2P wait, ...)")
@@ -48,7 +53,8 @@ def main(argv=None) -> int:
           f"{summary['flows']} P2P flows -> {args.output}; clocks aligned on "
           f"{summary['instances']} collectives (residual {summary['residual_us']:.1f} us)")
     if args.detect:
-        report = detect(summary["aligned"], summary["meta"], args.threshold)
+        report = detect(summary["aligned"], summary["meta"], args.threshold,
+                        alpha=args.alpha)
         report["alignment_residual_us"] = summary["residual_us"]
         print(format_report(report))
         if args.report:
