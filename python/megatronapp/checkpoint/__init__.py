@@ -21,11 +21,13 @@ barrier, rank 0 writes ``metadata.json``, fsyncs the directory, renames it to
 temporary name, fsync, rename). A crash at any point leaves ``latest`` naming
 a complete checkpoint (or no ``latest`` at all).
 
-Loading assembles each global tensor from its pieces (checking shapes and
-coverage) and takes this rank's slice, so a checkpoint saved at one (tp, pp,
-dp, ZeRO or not) loads into another. RNG states and codec error feedback are
-per rank and are restored only under the same layout (elsewhere they restart,
-with a warning).
+Loading reads, for each of this rank's tensors, the byte ranges of the stored
+pieces that overlap its slice, straight into the tensor (``stream.py``:
+positioned reads on a thread pool, CRC-32 per stored piece, checked shapes and
+coverage, never a global tensor in memory), so a checkpoint saved at one (tp,
+pp, dp, ZeRO or not) loads into another, whatever the size of its tensors.
+RNG states and codec error feedback are per rank and are restored only under
+the same layout (elsewhere they restart, with a warning).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from ..data_parallel import DistributedDataParallel
 from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
 from .format import CheckpointError, fsync_dir, read, write
+from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
-__all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "CheckpointError"]
+__all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "AsyncLoad", "CheckpointError"]
 
 FORMAT_VERSION = 1
 
@@ -351,78 +354,24 @@ def _read_meta(path: str) -> dict:
     return meta
 
 
-class _Assembler:
-    """Builds global tensors from stored pieces (cached per (name, kind))."""
-
-    def __init__(self, path, meta):
-        self.path = path
-        self.by_key = {}
-        for pc in meta["pieces"]:
-            self.by_key.setdefault((pc["name"], pc["kind"]), []).append(pc)
-        self.files = {}
-
-    def _file(self, fname):
-        if fname not in self.files:
-            self.files[fname] = read(os.path.join(self.path, fname))[0]
-        return self.files[fname]
-
-    def has(self, name, kind):
-        return (name, kind) in self.by_key
-
-    def scalar(self, name, kind):
-        pc = self.by_key[(name, kind)][0]
-        return self._file(pc["file"])[pc["key"]]
-
-    def full(self, name, kind, want_shape, dtype):
-        pieces = self.by_key.get((name, kind))
-        if not pieces:
-            raise CheckpointError(f"{self.path}: no '{kind}' stored for tensor '{name}'")
-        gshape = pieces[0]["global_shape"]
-        if list(gshape) != list(want_shape):
-            raise CheckpointError(
-                f"{self.path}: tensor '{name}' has global shape {gshape} in the checkpoint but "
-                f"{list(want_shape)} in this model (a checkpoint from an incompatible model?)")
-        out = torch.empty(gshape, dtype=dtype)
-        shards = {}
-        for pc in pieces:
-            sl = tuple(pc["tp_slice"]) if pc["tp_slice"] is not None else None
-            shards.setdefault(sl, []).append(pc)
-        covered = 0
-        for sl, pcs in shards.items():
-            region = out if sl is None else out.narrow(sl[0], sl[1], sl[2] - sl[1])
-            flat = torch.empty(region.numel(), dtype=dtype)
-            seen = torch.zeros(region.numel(), dtype=torch.bool)
-            for pc in pcs:
-                lo, hi = pc["flat"]
-                t = self._file(pc["file"])[pc["key"]].reshape(-1)
-                if t.numel() != hi - lo or hi > flat.numel():
-                    raise CheckpointError(f"{self.path}/{pc['file']}: piece {pc['key']} of '{name}'"
-                                          f" has {t.numel()} elements for range [{lo}, {hi})")
-                flat[lo:hi] = t.to(dtype)
-                seen[lo:hi] = True
-            if not bool(seen.all()):
-                raise CheckpointError(f"{self.path}: '{kind}' of tensor '{name}' is incomplete "
-                                      f"(missing {int((~seen).sum())} elements)")
-            region.copy_(flat.view(region.shape))
-            covered += region.numel()
-        if covered != out.numel():
-            raise CheckpointError(f"{self.path}: tensor '{name}' is not fully covered by its shards")
-        return out
-
-
-def _mine(full: torch.Tensor, p, state) -> torch.Tensor:
-    sl = _tp_slice(p, state)
-    return full if sl is None else full.narrow(sl[0], sl[1], sl[2] - sl[1])
-
-
 @torch.no_grad()
 def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None = None,
-         parallel_state=None) -> dict | None:
+         parallel_state=None, verify: bool = True, async_load: bool = False,
+         budget: int = DEFAULT_BUDGET, threads: int | None = None):
     """Loads the latest checkpoint of a directory (or a given iter_* path) into
     this rank's chunks and optimizer. Collective-free; returns {"iteration",
-    "config", "extra", "same_layout"} or None when the directory has no
+    "config", "extra", "same_layout", "path"} or None when the directory has no
     checkpoint. Raises CheckpointError (naming file and tensor) on anything
-    corrupt or incompatible, including a model `config` that differs."""
+    corrupt or incompatible, including a model `config` that differs.
+
+    Each rank reads only the stored bytes overlapping its own slices, straight
+    into its tensors, on `threads` worker threads holding at most `budget`
+    bytes of buffer each (``checkpoint.stream``); no global tensor is built.
+    ``verify=False`` skips the CRC-32 checks of the pieces read (faster; a
+    corrupted file then loads silently). ``async_load=True`` returns an
+    :class:`AsyncLoad` as soon as the reads are queued: build the rest of the
+    job (data loaders, ...) meanwhile and call its ``wait()`` (which returns
+    the dict above) before touching the model or the optimizer."""
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     path = directory_or_path
@@ -437,51 +386,79 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
         if diff:
             raise CheckpointError(f"{path}: checkpoint from an incompatible model: " + ", ".join(
                 f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in sorted(diff.items())))
-    asm = _Assembler(path, meta)
+    ld = StreamLoader(path, meta, verify=verify, budget=budget, threads=threads)
+    try:
+        _queue_reads(ld, chunks, optimizer, state)
+    except BaseException:
+        ld.wait_quietly()
+        raise
+    job = AsyncLoad(ld, path, meta, chunks, state)
+    return job if async_load else job.wait()
+
+
+def _queue_reads(ld, chunks, optimizer, state) -> None:
     params = _params(chunks)
+
+    def src(n, p):
+        return "word_embeddings.weight" if getattr(p, "shared_embedding_replica", False) else n
+
     for n, p in params:
-        src = "word_embeddings.weight" if getattr(p, "shared_embedding_replica", False) else n
-        full = asm.full(src, "param", _global_shape(p, state), p.dtype)
-        p.data.copy_(_mine(full, p, state))
-    # Optimizer state.
-    if optimizer is not None:
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            name_of = {id(p): n for n, p in params}
-            for sh in optimizer.shards():
-                p = sh.param
-                n = name_of[id(p)]
-                if getattr(p, "shared_embedding_replica", False):
-                    n = "word_embeddings.weight"
-                lo, hi = sh.lo, sh.hi
-                shard = _mine(asm.full(n, "param", _global_shape(p, state), torch.float32)
-                              if not asm.has(n, "main") else
-                              asm.full(n, "main", _global_shape(p, state), torch.float32),
-                              p, state).reshape(-1)
-                sh.main.copy_(shard[lo:hi])
-                st = {}
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    if asm.has(n, kind):
-                        full = asm.full(n, kind, _global_shape(p, state), torch.float32)
-                        st[kind] = _mine(full, p, state).reshape(-1)[lo:hi].clone()
-                if asm.has(n, "step"):
-                    st["step"] = asm.scalar(n, "step").clone()
-                if st:
-                    sh.state.clear()
-                    sh.state.update(st)
-        else:
-            for n, p in params:
-                src = "word_embeddings.weight" if getattr(p, "shared_embedding_replica",
-                                                          False) else n
-                st = {}
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    if asm.has(src, kind):
-                        full = asm.full(src, kind, _global_shape(p, state), torch.float32)
-                        st[kind] = _mine(full, p, state).clone().to(p.dtype)
-                if asm.has(src, "step"):
-                    st["step"] = asm.scalar(src, "step").clone()
-                if st:
-                    optimizer.state[p] = st
-    # Per-rank state under the same layout.
+        ld.into(src(n, p), "param", p.data, _tp_slice(p, state), _global_shape(p, state))
+    if optimizer is None:
+        return
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        name_of = {id(p): n for n, p in params}
+        for sh in optimizer.shards():
+            p = sh.param
+            n = src(name_of[id(p)], p)
+            sl, gshape, flat = _tp_slice(p, state), _global_shape(p, state), (sh.lo, sh.hi)
+            ld.into(n, "main" if ld.has(n, "main") else "param", sh.main, sl, gshape, flat)
+            st = {}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if ld.has(n, kind):
+                    st[kind] = torch.empty(sh.hi - sh.lo, dtype=torch.float32,
+                                           device=sh.main.device)
+                    ld.into(n, kind, st[kind], sl, gshape, flat)
+            if ld.has(n, "step"):
+                st["step"] = ld.scalar(n, "step").clone()
+            if st:
+                sh.state.clear()
+                sh.state.update(st)
+        return
+    for n, p in params:
+        n = src(n, p)
+        st = {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if ld.has(n, kind):
+                st[kind] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                ld.into(n, kind, st[kind], _tp_slice(p, state), _global_shape(p, state))
+        if ld.has(n, "step"):
+            st["step"] = ld.scalar(n, "step").clone()
+        if st:
+            optimizer.state[p] = st
+
+
+class AsyncLoad:
+    """A load whose reads run in the background (``load(..., async_load=True)``)."""
+
+    def __init__(self, loader, path, meta, chunks, state):
+        self.loader, self.path, self.meta, self.chunks, self.state = (loader, path, meta, chunks,
+                                                                      state)
+        self.result = None
+
+    def done(self) -> bool:
+        return self.result is not None or all(f.done() for f in self.loader.futures)
+
+    def wait(self) -> dict:
+        """Blocks until every read and check is done; returns load()'s dict."""
+        if self.result is None:
+            self.loader.wait()
+            self.result = _restore_rank_state(self.path, self.meta, self.chunks, self.state)
+        return self.result
+
+
+def _restore_rank_state(path, meta, chunks, state) -> dict:
+    """RNG and codec error feedback, under the saving layout only."""
     par = meta["parallel"]
     same = (par.get("world") == dist.get_world_size() and par.get("tp") == state.tp_size
             and par.get("pp") == state.pp_size and par.get("dp") == state.dp_size
@@ -489,7 +466,8 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
             and par.get("vpp") == len(chunks))
     rank = dist.get_rank()
     if same:
-        mine, _ = read(os.path.join(path, f"rank{rank}.safetensors"))
+        mine, _ = read(os.path.join(path, f"rank{rank}.safetensors"),
+                       names=_rank_keys(path, rank))
         torch.set_rng_state(mine["rank/rng_cpu"])
         if "rank/rng_cuda" in mine and torch.cuda.is_available():
             torch.cuda.set_rng_state(mine["rank/rng_cuda"])
@@ -504,3 +482,12 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
                "optimizer state resharded, RNG and gradient-codec error feedback restart")
     return {"iteration": meta["iteration"], "config": meta.get("config", {}),
             "extra": meta.get("extra", {}), "same_layout": same, "path": path}
+
+
+def _rank_keys(path, rank) -> list:
+    """The per-rank keys (rank/...) of a rank file: only those are read."""
+    f = TensorFile(os.path.join(path, f"rank{rank}.safetensors"))
+    try:
+        return [k for k in f.entries if k.startswith("rank/")]
+    finally:
+        f.close()
