@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+
 import torch
 
 
