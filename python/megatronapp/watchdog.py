@@ -1,14 +1,24 @@
-"""Dead-rank detection: a heartbeat through the c10d store.
+"""Dead-rank detection: a heartbeat through the c10d store, with a second
+channel for when the store's host is the one that died.
 
 Every rank publishes a counter under ``mapp_hb/<rank>`` every `interval`
 seconds from a daemon thread and watches everyone else's. A rank whose counter
-has not moved for `timeout` seconds (or the store becoming unreachable: its
-host died) is declared dead: the watchdog prints an error naming the dead
-rank(s) and what this rank was doing (``set_phase``; the C++ collective in
-flight), and ends the process with exit code 1 — the training thread may be
-blocked inside a collective that will never complete, so it cannot be asked
-nicely. Counters, not clocks, are compared, so hosts need no synchronized
-time.
+has not moved for `timeout` seconds is declared dead: the watchdog prints an
+error naming the dead rank(s) and what this rank was doing (``set_phase``; the
+C++ collective in flight), and ends the process with exit code 1 — the
+training thread may be blocked inside a collective that will never complete,
+so it cannot be asked nicely. Counters, not clocks, are compared, so hosts
+need no synchronized time.
+
+The store lives in one process: rank 0 under a plain per-rank launch (SLURM,
+``RANK``/``WORLD_SIZE`` by hand), the launcher's agent under torchrun. If it
+dies, "store unreachable" says nothing about *who* died. So a backup store is
+hosted by rank 1 (its address published through the main store at start), and
+every rank beats on both. When the main store becomes unreachable the
+watchdog says so, keeps beating on the backup and keeps watching there: the
+rank that is silent on the backup too is named (rank 0, the store's host),
+within `timeout`. Only if both stores are gone (ranks 0 and 1 died together)
+are both named as unreachable hosts.
 
 ``pretrain_gpt.py`` starts it on multi-rank runs (``--watchdog-timeout``,
 ``--no-watchdog``).
@@ -38,6 +48,20 @@ def phase() -> str:
     return _PHASE["text"]
 
 
+def _routable_address() -> str:
+    """This host's address on the interface that reaches MASTER_ADDR (what the
+    other ranks can connect to); loopback on a single machine."""
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
+            sk.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return sk.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def _store():
     from . import _collectives
 
@@ -53,30 +77,66 @@ class Watchdog:
     current: Watchdog | None = None
     _generation = 0
 
-    def __init__(self, timeout: float = 30.0, interval: float = 1.0, *, exit_on_death=True):
+    #: The rank that hosts the backup store.
+    BACKUP_HOST = 1
+
+    def __init__(self, timeout: float = 30.0, interval: float = 1.0, *, exit_on_death=True,
+                 backup: bool = True):
         if timeout <= 2 * interval:
             raise ValueError(f"watchdog timeout ({timeout}s) must exceed twice the heartbeat "
                              f"interval ({interval}s)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout, self.interval, self.exit_on_death = timeout, interval, exit_on_death
         Watchdog._generation += 1  # every rank creates its watchdogs in the same order
-        self.store = dist.PrefixStore(f"mapp_hb/{Watchdog._generation}/", _store())
+        self.prefix = f"mapp_hb/{Watchdog._generation}/"
+        self.store = dist.PrefixStore(self.prefix, _store())
+        self.use_backup = backup and self.world > 1
+        self.backup = None  # PrefixStore on the backup store
+        self._backup_server = None  # the TCPStore rank BACKUP_HOST hosts
         self.dead: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mapp-watchdog", daemon=True)
 
+    @staticmethod
+    def store_host() -> str:
+        """Who hosts the main rendezvous store."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            return "the launcher (torchrun agent)"
+        return "rank 0"
+
+    def _start_backup(self) -> None:
+        import datetime
+
+        timeout = datetime.timedelta(seconds=max(5.0, 2 * self.interval))
+        if self.rank == Watchdog.BACKUP_HOST:
+            addr = _routable_address()
+            self._backup_server = dist.TCPStore(addr, 0, is_master=True,
+                                                wait_for_workers=False, timeout=timeout)
+            self.store.set("backup_store", f"{addr}:{self._backup_server.port}")
+            raw = self._backup_server
+        else:
+            where = self.store.get("backup_store").decode()  # waits for rank 1 to publish it
+            host, port = where.rsplit(":", 1)
+            raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self.backup = dist.PrefixStore(self.prefix, raw)
+
     def start(self) -> Watchdog:
         self.store.set(str(self.rank), "0")
+        if self.use_backup:
+            self._start_backup()
+            self.backup.set(str(self.rank), "0")
         self._thread.start()
         Watchdog.current = self
         return self
 
     def stop(self) -> None:
         """Stops watching; peers treat this rank as finished, not dead."""
-        try:
-            self.store.set(f"done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001
-            pass
+        for st in (self.store, self.backup):
+            try:
+                if st is not None:
+                    st.set(f"done/{self.rank}", "1")
+            except Exception:  # noqa: BLE001
+                pass
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
@@ -87,73 +147,122 @@ class Watchdog:
         """After a collective failed (e.g. a peer's socket closed): give the
         heartbeat up to `timeout` seconds to name the dead rank (the watchdog
         then exits the process); returns if every rank is alive."""
-        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        deadline = time.monotonic() + 2 * self.timeout + 2 * self.interval
         while time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(self.interval / 2)
+
+    def _silent(self, store, seen: dict, now: float, since: float) -> list:
+        """Ranks whose counter on `store` has not moved for `timeout`."""
+        dead = []
+        for r in range(self.world):
+            if r == self.rank or store.check([f"done/{r}"]):
+                continue  # finished its run normally
+            key = str(r)
+            if not store.check([key]):
+                if now - since > self.timeout:
+                    dead.append((r, "never started its heartbeat"))
+                continue
+            v = store.get(key)
+            if r not in seen or seen[r][0] != v:
+                seen[r] = (v, now)
+            elif now - seen[r][1] > self.timeout:
+                dead.append((r, f"no heartbeat for {now - seen[r][1]:.0f}s"))
+        return dead
 
     def _loop(self) -> None:
         beat = 0
         start = time.monotonic()
-        seen = {}  # rank -> (value, local time it last changed)
+        seen, seen_backup = {}, {}  # rank -> (value, local time it last changed)
+        lost = None  # (time, error) once the main store is unreachable
         while not self._stop.wait(self.interval / 2 if beat else self.interval):
             beat += 1
             now = time.monotonic()
-            try:
-                self.store.set(str(self.rank), str(beat))
-                if self.store.check(["verdict"]):  # another rank already found the dead one
-                    self._declare(json.loads(self.store.get("verdict")), publish=False)
+            if self.backup is not None:
+                try:
+                    self.backup.set(str(self.rank), str(beat))
+                    if lost is None:
+                        self._silent(self.backup, seen_backup, now, start)  # keep it current
+                except Exception:  # noqa: BLE001 - rank 1 died: the main store names it
+                    if lost is not None:
+                        dead = [(0 if self.store_host() == "rank 0" else -1,
+                                 f"hosted the rendezvous store, unreachable: {lost[1]}"),
+                                (Watchdog.BACKUP_HOST, "hosted the backup store, unreachable")]
+                        self._declare(dead, publish=False)
+                        return
+                    self.backup = None
+            if lost is None:
+                try:
+                    self.store.set(str(self.rank), str(beat))
+                    if self.store.check(["verdict"]):  # another rank found the dead one
+                        self._declare(json.loads(self.store.get("verdict")), publish=False)
+                        return
+                    dead = self._silent(self.store, seen, now, start)
+                except Exception as e:  # noqa: BLE001 - the store host itself died
+                    why = f"{type(e).__name__}: {str(e)[:120]}"
+                    if self.backup is None:
+                        dead = [(0, f"the rendezvous store (hosted by {self.store_host()}) is "
+                                    f"unreachable: {why}")]
+                    else:
+                        lost, dead = (now, why), []
+                        print(f"[megatronapp] rank {self.rank}: the rendezvous store (hosted by "
+                              f"{self.store_host()}) is unreachable ({why}); watching the ranks"
+                              f" through the backup store on rank {Watchdog.BACKUP_HOST}",
+                              file=sys.stderr, flush=True)
+                if dead:
+                    self._declare(dead)
                     return
-                dead = []
-                for r in range(self.world):
-                    if r == self.rank:
-                        continue
-                    key = str(r)
-                    if self.store.check([f"done/{r}"]):
-                        continue  # finished its run normally
-                    if not self.store.check([key]):
-                        if now - start > self.timeout:
-                            dead.append((r, "never started its heartbeat"))
-                        continue
-                    v = self.store.get(key)
-                    if r not in seen or seen[r][0] != v:
-                        seen[r] = (v, now)
-                    elif now - seen[r][1] > self.timeout:
-                        dead.append((r, f"no heartbeat for {now - seen[r][1]:.0f}s"))
-            except Exception as e:  # noqa: BLE001 - the store host itself died
-                dead = [(0, f"the rendezvous store (hosted by rank 0 or the launcher) is "
-                            f"unreachable: {type(e).__name__}: {str(e)[:120]}")]
+                continue
+            # The main store is gone: decide through the backup.
+            try:
+                if self.backup.check(["verdict"]):
+                    self._declare(json.loads(self.backup.get("verdict")), publish=False)
+                    return
+                dead = self._silent(self.backup, seen_backup, now, start)
+            except Exception:  # noqa: BLE001 - handled on the next beat
+                continue
+            host = 0 if self.store_host() == "rank 0" else None
+            dead = [(r, f"{why}; it hosted the rendezvous store, unreachable since "
+                        f"{now - lost[0]:.0f}s ({lost[1]})" if r == host else why)
+                    for r, why in dead]
+            finished_host = host is not None and self.backup.check([f"done/{host}"])
+            if not dead and not finished_host and now - lost[0] > self.timeout:
+                dead = [(-1, f"the rendezvous store (hosted by {self.store_host()}) has been "
+                             f"unreachable for {now - lost[0]:.0f}s ({lost[1]}) while every "
+                             "rank is alive")]
             if dead:
-                self._declare(dead)
+                self._declare(dead, via_backup=True)
                 return
 
-    def _declare(self, dead, publish: bool = True) -> None:
+    def _declare(self, dead, publish: bool = True, via_backup: bool = False) -> None:
         self.dead = dead
+        channel = self.backup if via_backup else self.store
         if publish:
             try:  # tell the others (they may only see the store vanish otherwise)
-                self.store.set("verdict", json.dumps(dead))
+                channel.set("verdict", json.dumps(dead))
             except Exception:  # noqa: BLE001
                 publish = False
         from . import _C
 
         in_flight = _C.trace.in_flight() if hasattr(_C.trace, "in_flight") else ""
-        who = "; ".join(f"rank {r} ({why})" for r, why in dead)
+        who = "; ".join(f"rank {r} ({why})" if r >= 0 else why for r, why in dead)
         msg = (f"[megatronapp] rank {self.rank}: dead rank detected: {who}. This rank was in "
                f"'{phase()}'" + (f", collective in flight: {in_flight}" if in_flight else "")
                + ". Exiting (restart from the last checkpoint with --load).")
         print(msg, file=sys.stderr, flush=True)
         try:
-            self.store.set(f"ack/{self.rank}", "1")
+            channel.set(f"ack/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
         if self.exit_on_death:
-            if self.rank == 0:  # rank 0 may host the store: wait until the others read it
+            # The hosts of the stores wait until the others have read the verdict.
+            if self.rank in (0, Watchdog.BACKUP_HOST):
                 dead_ranks = {r for r, _ in dead}
                 others = [f"ack/{r}" for r in range(self.world)
-                          if r != 0 and r not in dead_ranks]
+                          if r != self.rank and r not in dead_ranks]
                 deadline = time.monotonic() + self.timeout
                 while time.monotonic() < deadline:
                     try:
-                        if not others or self.store.check(others):
+                        if not others or channel.check(others):
                             break
                     except Exception:  # noqa: BLE001
                         break

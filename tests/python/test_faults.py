@@ -118,3 +118,28 @@ def test_sigterm_during_the_agreement_is_not_lost(monkeypatch):
     run = SimpleNamespace(world=2)
     assert hook.should_stop(run, 0) is False  # the all-reduce had already read 0
     assert hook.should_stop(run, 1) is True and calls == [0.0, 1.0]
+
+
+@pytest.mark.timeout(240)
+def test_killing_the_store_host_names_it_on_every_survivor(tmp_path):
+    """Plain per-rank launch (no torchrun agent): rank 0 hosts the rendezvous
+    store. SIGKILL it: the survivors see the store vanish, say so, agree
+    through the backup store on rank 1 that rank 0 is silent there too, and
+    all exit non-zero within 60 s naming rank 0."""
+    procs = _launch(4, ["--tensor-model-parallel-size", "2", "--train-iters", "400",
+                        "--watchdog-timeout", "10"], {"MAPP_INJECT_KILL": "rank=0,iteration=3"},
+                    tmp_path)
+    t0 = time.monotonic()
+    while procs[0].poll() is None and time.monotonic() - t0 < 120:
+        time.sleep(0.1)
+    killed_at = time.monotonic()
+    elapsed = _wait_all(procs, 120) - (killed_at - t0)
+    codes = [p.returncode for p in procs]
+    assert codes[0] == -signal.SIGKILL, codes
+    assert elapsed < 60, elapsed
+    for r in (1, 2, 3):
+        assert codes[r] not in (0, None, -signal.SIGKILL), codes
+        text = (tmp_path / f"rank{r}.err").read_text()
+        assert "the rendezvous store (hosted by rank 0) is unreachable" in text, text[-2000:]
+        assert "dead rank detected: rank 0 (no heartbeat for" in text, text[-2000:]
+        assert "it hosted the rendezvous store" in text, text[-2000:]
