@@ -296,3 +296,24 @@ def test_phase_breakdown_of_a_real_pipeline_run(tmp_path):
     assert trace_main(["phases", str(tmp_path / "trace"), "--skip", "1", "--json",
                        str(tmp_path / "phases.json")]) == 0
     assert json.load(open(tmp_path / "phases.json"))["0"]["iterations"] == 7
+
+
+@pytest.mark.timeout(900)
+def test_detector_sweep_short_version(tmp_path):
+    """The false-alarm benchmark in small: random configurations (seed fixed
+    here, different from the benchmark's), two healthy runs and two with a
+    1.5x / 2x slowdown of a random rank and phase."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "sweep.json"
+    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "detector_sweep.py"),
+                        "--healthy", "2", "--injected", "2", "--factors", "1.5,2.0",
+                        "--seed", "101", "--json", str(out)],
+                       capture_output=True, text=True, timeout=850)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["false_positives"] == 0, p.stdout
+    for f in ("1.5x", "2.0x"):
+        assert summary[f]["recall"] == 1.0 and summary[f]["wrong_rank"] == 0, p.stdout
