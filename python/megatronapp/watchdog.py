@@ -115,16 +115,23 @@ class Watchdog:
             self.store.set("backup_store", f"{addr}:{self._backup_server.port}")
             raw = self._backup_server
         else:
-            where = self.store.get("backup_store").decode()  # waits for rank 1 to publish it
-            host, port = where.rsplit(":", 1)
+            self.store.wait(["backup_store"], datetime.timedelta(seconds=self.timeout))
+            host, port = self.store.get("backup_store").decode().rsplit(":", 1)
             raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         self.backup = dist.PrefixStore(self.prefix, raw)
+        self.backup.set(str(self.rank), "0")
 
     def start(self) -> Watchdog:
         self.store.set(str(self.rank), "0")
         if self.use_backup:
-            self._start_backup()
-            self.backup.set(str(self.rank), "0")
+            try:
+                self._start_backup()
+            except Exception as e:  # noqa: BLE001 - watch through the main store only
+                self.backup = None
+                print(f"[megatronapp] rank {self.rank}: watchdog without a backup store (rank "
+                      f"{Watchdog.BACKUP_HOST}'s is not reachable: {type(e).__name__}: "
+                      f"{str(e)[:120]}); a dead store host will be reported as 'store "
+                      "unreachable'", file=sys.stderr, flush=True)
         self._thread.start()
         Watchdog.current = self
         return self
@@ -140,6 +147,7 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self.backup = self._backup_server = None
         if Watchdog.current is self:
             Watchdog.current = None
 
