@@ -43,18 +43,19 @@ def _wait_all(procs, limit):
 
 
 @pytest.mark.timeout(240)
-def test_killed_rank_makes_survivors_exit_naming_it(tmp_path):
+@pytest.mark.parametrize("victim", [2, 1], ids=["rank2", "rank1-hosts-the-backup-store"])
+def test_killed_rank_makes_survivors_exit_naming_it(tmp_path, victim):
     procs = _launch(4, ["--tensor-model-parallel-size", "2", "--train-iters", "400",
-                        "--watchdog-timeout", "10"], {"MAPP_INJECT_KILL": "rank=2,iteration=3"},
-                    tmp_path)
+                        "--watchdog-timeout", "10"],
+                    {"MAPP_INJECT_KILL": f"rank={victim},iteration=3"}, tmp_path)
     elapsed = _wait_all(procs, 120)
     codes = [p.returncode for p in procs]
-    assert codes[2] == -signal.SIGKILL, codes
+    assert codes[victim] == -signal.SIGKILL, codes
     assert elapsed < 60 + 15, elapsed  # startup + 3 iterations + detection
-    for r in (0, 1, 3):
+    for r in {0, 1, 2, 3} - {victim}:
         assert codes[r] not in (0, None, -signal.SIGKILL), codes
         text = (tmp_path / f"rank{r}.err").read_text()
-        assert "dead rank detected: rank 2" in text, text[-2000:]
+        assert f"dead rank detected: rank {victim}" in text, text[-2000:]
 
 
 @pytest.mark.timeout(240)
