@@ -376,14 +376,16 @@ def _traced_moe(rank, world, flags, out_dir, env):
 def test_detector_names_the_rank_whose_experts_are_overloaded(tmp_path):
     """Expert 0 (on ep rank 0 = rank 0) gets every token's first choice: rank 0
     computes about half of all expert rows, and the detector names it, by its
-    expert compute. The dispatcher's exchanges are in the trace with their
-    group and sequence number."""
+    expert compute (16 iterations: the detector's t-test over iterations,
+    corrected for every (rank, op) it tests, needs more than 6 to reach 1%).
+    The dispatcher's exchanges are in the trace with their group and
+    sequence number."""
     from megatronapp.trace.aggregate import load_trace
     from megatronapp.trace.detect import detect_dir
 
     flags = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
              "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--train-iters", "6", "--eval-iters", "1", "--no-progress", "--log-interval",
+             "--train-iters", "16", "--eval-iters", "1", "--no-progress", "--log-interval",
              "1000", "--no-watchdog", "--num-experts", "8", "--moe-router-topk", "2",
              "--moe-ffn-hidden-size", "512", "--expert-model-parallel-size", "4"]
     run_ranks(_traced_moe, 4, flags, str(tmp_path),

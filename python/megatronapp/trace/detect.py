@@ -186,7 +186,8 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
     smallest median slowdown (relative) worth naming; `alpha`: the error
     probability allowed; `history`: :func:`baseline` of an earlier healthy
     window. Returns {"verdict": "slow" | "healthy" | "insufficient",
-    "suspects" (named ranks, most confident first), "all", "tests", ...}."""
+    "suspects" (named ranks, compute before links, largest slowdown first),
+    "all", "tests", ...}."""
     ranks = sorted(events_by_rank)
     evidence = {r: {} for r in ranks}
     tests = _Tests()
@@ -292,8 +293,11 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
     # decide
     rows = tests.decide(alpha, threshold)
     best = {}
-    for t in rows:  # per rank: its most significant test (largest effect on ties)
-        key = (t["p_value"], -t["effect"])
+    # Per rank, the cause: among its tests that name it, the op slowed most
+    # (where the slowdown is: an overloaded expert slows the whole backward a
+    # little, its expert compute a lot); otherwise its most significant test.
+    for t in rows:
+        key = (not t["slow"], -t["effect"] if t["slow"] else t["p_value"], t["p_value"])
         if t["rank"] not in best or key < best[t["rank"]][0]:
             best[t["rank"]] = (key, t)
     suspects = []
@@ -310,7 +314,9 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
                          "evidence": evidence.get(r, {})})
     # Compute evidence first: busy time does not wait for anyone, while a slow
     # rank delays its neighbours' messages (a link can look slow because of it).
+    # Named ranks by slowdown (all passed the same error bar); the rest by p.
     suspects.sort(key=lambda s: (not s["slow"], s["cause"].startswith("link"),
+                                 -s["score"] if s["slow"] else 0.0,
                                  s["p_value"] if s["p_value"] is not None else 2.0,
                                  -s["score"]))
     flagged = [s for s in suspects if s["slow"]]
