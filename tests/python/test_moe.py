@@ -374,9 +374,9 @@ def _traced_moe(rank, world, flags, out_dir, env):
 
 @pytest.mark.timeout(600)
 def test_detector_names_the_rank_whose_experts_are_overloaded(tmp_path):
-    """Expert 0 (on ep rank 0 = rank 0) gets every token's first choice: rank 0
-    computes about half of all expert rows, and the detector names it, by its
-    expert compute (16 iterations: the detector's t-test over iterations,
+    """Expert 0 (on ep rank 0 = rank 0) gets a boost in every token's routing:
+    rank 0 computes far more expert rows than its peers, and the detector
+    names it, by its expert compute (16 iterations: the detector's t-test over iterations,
     corrected for every (rank, op) it tests, needs more than 6 to reach 1%).
     The dispatcher's exchanges are in the trace with their group and
     sequence number."""
@@ -392,9 +392,12 @@ def test_detector_names_the_rank_whose_experts_are_overloaded(tmp_path):
               {"MAPP_INJECT_EXPERT_SKEW": "expert=0,boost=20"})
     trace_dir = str(tmp_path / "trace")
     report = detect_dir(trace_dir)
-    assert report["suspects"] and report["suspects"][0]["rank"] == 0, report["all"]
-    assert report["suspects"][0]["cause"].startswith("compute")
-    assert "moe_experts" in report["suspects"][0]["cause"], report["suspects"][0]
+    # Rank 0 is named for its expert compute. The router learns while it runs
+    # (the boost pushes tokens, the loss pulls them), so another rank's experts
+    # can end up overloaded too; any rank named must be named for that.
+    named = {s["rank"]: s["cause"] for s in report["suspects"]}
+    assert 0 in named, report["all"]
+    assert all(c == "compute (moe_experts)" for c in named.values()), named
     events = load_trace(os.path.join(trace_dir, "trace.rank1.json"))
     moe = [e for e in events if e.get("name") in ("moe_dispatch", "moe_combine")]
     assert moe and all("group" in e["args"] and "seq" in e["args"] for e in moe)

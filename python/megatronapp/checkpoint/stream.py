@@ -219,7 +219,7 @@ class StreamLoader:
         self.pool = ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1),
                                        thread_name_prefix="mapp-ckpt-load")
         self.futures = []
-        self.checked, self.whole = set(), set()  # pieces verified / landed whole
+        self.checked = set()  # pieces whose CRC was checked
 
     def _file(self, fname) -> TensorFile:
         with self._lock:
