@@ -180,20 +180,8 @@ class _Tests:
         return self.rows
 
 
-def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOLD, *,
-           alpha: float = DEFAULT_ALPHA, history: dict | None = None) -> dict:
-    """`events_by_rank` must be aligned (see aggregate.align). `threshold`: the
-    smallest median slowdown (relative) worth naming; `alpha`: the error
-    probability allowed; `history`: :func:`baseline` of an earlier healthy
-    window. Returns {"verdict": "slow" | "healthy" | "insufficient",
-    "suspects" (named ranks, compute before links, largest slowdown first),
-    "all", "tests", ...}."""
-    ranks = sorted(events_by_rank)
-    evidence = {r: {} for r in ranks}
-    tests = _Tests()
-    ops = {r: _exclusive_compute(events_by_rank[r]) for r in ranks}
-    no_evidence = set()
-    # 1. compute across peers
+def _peer_tests(ops, meta, ranks, evidence, tests, no_evidence) -> None:
+    """Compute against peers doing the same work (same pipeline stage)."""
     for group in _peer_groups(meta, ranks):
         if len(group) < 2:
             no_evidence.update(group)
@@ -220,7 +208,10 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
                       "peers": min(sizes[name]) - 1}
                 evidence[r].setdefault("compute", {})[name] = ev
                 tests.add(r, f"compute ({name})", per_iter, ev)
-    # 2. compute against the rank's own history
+
+
+def _history_tests(ops, ranks, history, evidence, tests, no_evidence) -> None:
+    """Compute against the rank's own baseline (online detection)."""
     if history:
         for r in ranks:
             by = defaultdict(lambda: defaultdict(list))
@@ -235,7 +226,10 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
                 evidence[r].setdefault("history", {})[name] = ev
                 tests.add(r, f"compute ({name}, against its history)", per_iter, ev)
                 no_evidence.discard(r)
-    # 3. links: per link and iteration, the fastest transfer
+
+
+def _link_tests(events_by_rank, evidence, tests) -> None:
+    """P2P links: every message's transfer time against the other links'."""
     sends, recvs, posts = {}, {}, {}
     for events in events_by_rank.values():
         for e in events:
@@ -274,7 +268,10 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
             # A slow link costs every message a millisecond or more.
             if ev["median_excess_us"] >= LINK_MIN_EXCESS_US:
                 tests.add(src, f"link {g[4:]}", per_msg, ev, threshold=LINK_FACTOR - 1.0)
-    # 4. lateness into collectives (evidence only)
+
+
+def _lateness(events_by_rank, ranks, evidence) -> None:
+    """Who enters collectives last (evidence only, not tested)."""
     last_count, late_sum, inst_count = defaultdict(int), defaultdict(float), defaultdict(int)
     for inst in collective_instances(events_by_rank).values():
         if len(inst) < 2:
@@ -290,6 +287,25 @@ def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOL
             evidence[r]["lateness"] = {"collectives": inst_count[r], "arrived_last":
                                        last_count[r], "mean_late_us":
                                        round(late_sum[r] / inst_count[r], 1)}
+
+
+def detect(events_by_rank: dict, meta: dict, threshold: float = DEFAULT_THRESHOLD, *,
+           alpha: float = DEFAULT_ALPHA, history: dict | None = None) -> dict:
+    """`events_by_rank` must be aligned (see aggregate.align). `threshold`: the
+    smallest median slowdown (relative) worth naming; `alpha`: the error
+    probability allowed; `history`: :func:`baseline` of an earlier healthy
+    window. Returns {"verdict": "slow" | "healthy" | "insufficient",
+    "suspects" (named ranks, compute before links, largest slowdown first),
+    "all", "tests", ...}."""
+    ranks = sorted(events_by_rank)
+    evidence = {r: {} for r in ranks}
+    tests = _Tests()
+    ops = {r: _exclusive_compute(events_by_rank[r]) for r in ranks}
+    no_evidence = set()
+    _peer_tests(ops, meta, ranks, evidence, tests, no_evidence)
+    _history_tests(ops, ranks, history, evidence, tests, no_evidence)
+    _link_tests(events_by_rank, evidence, tests)
+    _lateness(events_by_rank, ranks, evidence)
     # decide
     rows = tests.decide(alpha, threshold)
     best = {}
