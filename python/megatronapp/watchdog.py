@@ -192,10 +192,8 @@ class Watchdog:
                         self._silent(self.backup, seen_backup, now, start)  # keep it current
                 except Exception:  # noqa: BLE001 - rank 1 died: the main store names it
                     if lost is not None:
-                        dead = [(0 if self.store_host() == "rank 0" else -1,
-                                 f"hosted the rendezvous store, unreachable: {lost[1]}"),
-                                (Watchdog.BACKUP_HOST, "hosted the backup store, unreachable")]
-                        self._declare(dead, publish=False)
+                        self._declare(self._both_stores_lost(seen_backup, now, lost),
+                                      publish=False)
                         return
                     self.backup = None
             if lost is None:
@@ -223,16 +221,15 @@ class Watchdog:
             # The main store is gone: decide through the backup.
             try:
                 if self.backup.check(["verdict"]):
-                    self._declare(json.loads(self.backup.get("verdict")), publish=False)
+                    self._declare(json.loads(self.backup.get("verdict")), publish=False,
+                                  via_backup=True)
                     return
                 dead = self._silent(self.backup, seen_backup, now, start)
+                host = 0 if self.store_host() == "rank 0" else None
+                finished_host = host is not None and self.backup.check([f"done/{host}"])
             except Exception:  # noqa: BLE001 - handled on the next beat
                 continue
-            host = 0 if self.store_host() == "rank 0" else None
-            dead = [(r, f"{why}; it hosted the rendezvous store, unreachable since "
-                        f"{now - lost[0]:.0f}s ({lost[1]})" if r == host else why)
-                    for r, why in dead]
-            finished_host = host is not None and self.backup.check([f"done/{host}"])
+            dead = [(r, self._host_note(r, why, now, lost)) for r, why in dead]
             if not dead and not finished_host and now - lost[0] > self.timeout:
                 dead = [(-1, f"the rendezvous store (hosted by {self.store_host()}) has been "
                              f"unreachable for {now - lost[0]:.0f}s ({lost[1]}) while every "
@@ -240,6 +237,29 @@ class Watchdog:
             if dead:
                 self._declare(dead, via_backup=True)
                 return
+
+    def _host_note(self, r: int, why: str, now: float, lost) -> str:
+        if r == 0 and self.store_host() == "rank 0":
+            return (f"{why}; it hosted the rendezvous store, unreachable since "
+                    f"{now - lost[0]:.0f}s ({lost[1]})")
+        return why
+
+    def _both_stores_lost(self, seen_backup: dict, now: float, lost) -> list:
+        """The backup store vanished after the main one. Its host may have
+        exited right after naming the dead rank (its verdict then went with
+        it): the ranks already silent on the backup for half the timeout,
+        while their store is gone too, are the dead ones; otherwise both
+        store hosts are named."""
+        silent = [(r, now - t) for r, (_, t) in sorted(seen_backup.items())
+                  if r not in (self.rank, Watchdog.BACKUP_HOST) and now - t > self.timeout / 2]
+        if silent:
+            return ([(r, self._host_note(r, f"no heartbeat for {s:.0f}s", now, lost))
+                     for r, s in silent]
+                    + [(-1, f"rank {Watchdog.BACKUP_HOST}, which hosted the backup store, "
+                            "has exited since")])
+        return [(0 if self.store_host() == "rank 0" else -1,
+                 f"hosted the rendezvous store, unreachable: {lost[1]}"),
+                (Watchdog.BACKUP_HOST, "hosted the backup store, unreachable")]
 
     def _declare(self, dead, publish: bool = True, via_backup: bool = False) -> None:
         self.dead = dead
