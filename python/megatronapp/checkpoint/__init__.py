@@ -49,7 +49,8 @@ from ..parallel_state import resolve_state
 from .format import CheckpointError, fsync_dir, read, write
 from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
-__all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "AsyncLoad", "CheckpointError"]
+__all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "AsyncLoad", "CheckpointError",
+           "global_named_parameters", "tensor_parallel_slice"]
 
 FORMAT_VERSION = 1
 
@@ -76,6 +77,18 @@ def _params(chunks) -> list:
         for n, p in mod.named_parameters():
             out.append((_global_name(mod, n), p))
     return out
+
+
+def global_named_parameters(chunks) -> dict:
+    """{global name: parameter} of this rank's chunks (layer indices global,
+    as in checkpoints)."""
+    return dict(_params(chunks))
+
+
+def tensor_parallel_slice(p, state):
+    """(dim, start, end) of this rank's shard of `p` in the global tensor,
+    or None for a replicated parameter."""
+    return _tp_slice(p, state)
 
 
 def _tp_slice(p, state):

@@ -23,6 +23,7 @@ from torch import nn
 from ..autograd import linear
 from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
 from ..parallel_state import ParallelState
+from ..scope import taps
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -197,8 +198,10 @@ class ParallelAttention(nn.Module):
     QKV projection's output features are ordered [head, (q, k, v), head_dim], so a
     contiguous row shard of the weight is a whole set of heads."""
 
-    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float):
+    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float,
+                 layer_number: int = 0):
         super().__init__()
+        self.layer_number = layer_number
         tp = state.tp_size
         self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -223,10 +226,16 @@ class ParallelAttention(nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, d]
+        scope = taps.ACTIVE
+        if scope is not None:
+            q, k, v = (scope.tap(site, self.layer_number, t, "heads")
+                       for site, t in (("query", q), ("key", k), ("value", v)))
         if self.selective:
             ctx = checkpoint(self.core_attention, False, q, k, v)
         else:
             ctx = self.core_attention(q, k, v)
+        if scope is not None:
+            ctx = scope.tap("attn_context", self.layer_number, ctx, "heads")
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(ctx)
 
@@ -240,6 +249,9 @@ class ParallelAttention(nn.Module):
             fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
             return fn(q, k, v, self.context_group)
         p = self.dropout_p if self.training else 0.0
+        scope = taps.ACTIVE
+        if scope is not None and scope.needs_probs(self.layer_number):
+            return self._probed_attention(q, k, v, p, scope)
         # auto: torch's fused attention, except on CPU with dropout, where it
         # falls back to its math path with torch's slow Bernoulli: there the
         # local path with the fused dropout kernel computes the same.
@@ -254,6 +266,20 @@ class ParallelAttention(nn.Module):
             return torch.matmul(scaled_causal_softmax(scores, scale), v)
         with get_rng_tracker().fork():  # this rank's heads: the tensor-parallel state
             probs = scaled_causal_softmax_dropout(scores, scale, p)
+        return torch.matmul(probs, v)
+
+    def _probed_attention(self, q, k, v, p, scope):
+        """The unfused path with the probabilities exposed to the scope (to
+        watch or perturb them): used only while a scope asks for them."""
+        if self.context_group is not None:
+            raise ValueError("the scope's attn_probs site (and zero_head on it) is not available "
+                             "under context parallelism: no rank holds a whole score matrix")
+        probs = scaled_causal_softmax(torch.matmul(q, k.transpose(-1, -2)),
+                                      1.0 / math.sqrt(self.head_dim))
+        probs = scope.tap("attn_probs", self.layer_number, probs, "heads")
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                probs = dropout(probs, p)
         return torch.matmul(probs, v)
 
 
@@ -281,10 +307,11 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: GPTConfig, state: ParallelState, layer_number: int = 0):
         super().__init__()
         self.dropout_p, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
+        self.layer_number = layer_number
         # GPT-2 / Megatron scaled init of the output projections.
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = ParallelAttention(cfg, state, output_std)
+        self.attn = ParallelAttention(cfg, state, output_std, layer_number)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         if cfg.is_moe_layer(layer_number):
             if not MOE_LAYER:
@@ -300,7 +327,13 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.dropout_p, self.sequence_parallel
         x = x + _dropout(self.attn(self.ln1(x)), p, self.training, sharded=sp)
-        return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
+        scope = taps.ACTIVE
+        if scope is None:
+            return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
+        kind, i = ("seq" if sp else "replicated"), self.layer_number
+        y = self.mlp(scope.tap("mlp_in", i, self.ln2(x), kind))
+        x = x + _dropout(scope.tap("mlp_out", i, y, kind), p, self.training, sharded=sp)
+        return scope.tap("residual", i, x, kind)
 
 
 @contextlib.contextmanager
@@ -412,6 +445,8 @@ class GPTModel(nn.Module):
             else:
                 x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
             logits = linear(x, self.word_embeddings.weight)  # [s, b, V/tp]
+        if taps.ACTIVE is not None:
+            logits = taps.ACTIVE.tap("logits", self.config.num_layers, logits, "vocab")
         if labels is None:
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group=self.group)
