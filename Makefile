@@ -13,7 +13,8 @@ STAMPS       := .stamps
 TORCH_SPEC   := torch==2.11.0
 BUILD_DIR    := build/py
 APT_PACKAGES := build-essential cmake ninja-build ccache pkg-config libspdlog-dev nlohmann-json3-dev clang \
-                libgtest-dev libbenchmark-dev python3-dev python3-venv iproute2 libgloo-dev libcli11-dev
+                libgtest-dev libbenchmark-dev python3-dev python3-venv iproute2 libgloo-dev libcli11-dev \
+                chromium chromium-driver
 SUDO         := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NPROC        ?= 4
 FUZZ_RUNS    ?= 1000000

@@ -486,6 +486,8 @@ def _restore_rank_state(path, meta, chunks, state) -> dict:
             torch.cuda.set_rng_state(mine["rank/rng_cuda"])
         for entry in meta.get("ddp", {}).get(str(rank), []):
             prefix = f"rank/ddp{entry['chunk']}/"
+            if not hasattr(chunks[entry["chunk"]], "load_codec_state_dict"):
+                continue  # loading into a bare model (inference): no gradient codec
             chunks[entry["chunk"]].load_codec_state_dict({
                 "synchronized_steps": entry["sync_steps"],
                 "tensors": {k[len(prefix):]: t for k, t in mine.items() if k.startswith(prefix)}})

@@ -95,7 +95,8 @@ def validate(cmd) -> dict:
                          ("fraction", (int, float)), ("bit", (int,)), ("head", (int,)),
                          ("seed", (int,)), ("name", (str,))):
             if k in cmd:
-                out[k] = _typed(cmd, k, types, None)
+                v = _typed(cmd, k, types, None)
+                out[k] = float(v) if float in types else v
         if "layers" in cmd:
             layers = cmd["layers"]
             if isinstance(layers, int) and not isinstance(layers, bool):
