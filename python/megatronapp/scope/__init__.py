@@ -254,19 +254,24 @@ class Scope:
     def step(self):
         """One forward pass (generation) or training step: taps are live
         inside; perturbation lifetimes count these."""
-        self._records = {}
-        live = bool(self.probes) or any(p.site != "weights" for p in self.perturbations)
-        previous = taps.ACTIVE
-        if live:
-            taps.ACTIVE = self
-        self._touched = set()
+        previous = self.begin_step()
         try:
             yield self
         finally:
-            taps.ACTIVE = previous
-            self._end_step()
+            self.end_step(previous)
 
-    def _end_step(self):
+    def begin_step(self):
+        """Opens a step (what :meth:`step` does on entry); returns the scope
+        that was active, for :meth:`end_step`."""
+        self._records = {}
+        self._touched = set()
+        previous = taps.ACTIVE
+        if self.probes or any(p.site != "weights" for p in self.perturbations):
+            taps.ACTIVE = self
+        return previous
+
+    def end_step(self, previous=None) -> None:
+        taps.ACTIVE = previous
         applied = [p for p in self.perturbations if p.site == "weights" or p.id in self._touched]
         if applied:
             self.log.append({"step": self.step_count,

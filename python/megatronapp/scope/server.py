@@ -50,6 +50,15 @@ def _typed(cmd, key, types, default, name=None):
     return v
 
 
+def _layers(layers):
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and (not isinstance(layers, list) or len(layers) > 4096 or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise ScopeError("layers: expected a layer number, a list of them, or null")
+    return layers
+
+
 def validate(cmd) -> dict:
     """A client's command checked and normalized (ScopeError otherwise)."""
     from .session import MAX_PROMPT_CHARS
@@ -59,6 +68,17 @@ def validate(cmd) -> dict:
     op = cmd.get("op")
     if op in ("info", "clear"):
         return {"op": op}
+    if op in ("watch", "unwatch"):
+        out = {"op": op}
+        for k, types in (("site", (str,)), ("reduce", (str,)), ("bins", (int,)), ("dim", (int,)),
+                         ("k", (int,))):
+            if k in cmd:
+                out[k] = _typed(cmd, k, types, None)
+        if op == "watch" and "site" not in out:
+            raise ScopeError("watch needs a site")
+        if "layers" in cmd:
+            out["layers"] = _layers(cmd["layers"])
+        return out
     if op == "generate":
         prompts = cmd.get("prompts")
         if prompts is None:
@@ -98,20 +118,15 @@ def validate(cmd) -> dict:
                 v = _typed(cmd, k, types, None)
                 out[k] = float(v) if float in types else v
         if "layers" in cmd:
-            layers = cmd["layers"]
-            if isinstance(layers, int) and not isinstance(layers, bool):
-                layers = [layers]
-            if layers is not None and (not isinstance(layers, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in layers)):
-                raise ScopeError("layers: expected a layer number, a list of them, or null")
-            out["layers"] = layers
+            out["layers"] = _layers(cmd["layers"])
         if "steps" in cmd:
             steps = cmd["steps"]
             if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
                 raise ScopeError("steps: expected a positive integer, or null (until cleared)")
             out["steps"] = steps
         return out
-    raise ScopeError(f"unknown op {op!r}: expected info, generate, perturb or clear")
+    raise ScopeError(f"unknown op {op!r}: expected info, generate, perturb, clear, watch or "
+                     "unwatch")
 
 
 class ScopeServer:
@@ -156,7 +171,7 @@ class ScopeServer:
                                   middlewares=[self._errors, self._auth])
             app.router.add_get("/", self._index)
             app.router.add_get("/api/info", self._api)
-            for op in ("generate", "perturb", "clear", "info"):
+            for op in ("generate", "perturb", "clear", "info", "watch", "unwatch"):
                 app.router.add_post(f"/api/{op}", self._api)
             app.router.add_get("/ws", self._ws)
             app.router.add_get("/static/plotly.min.js", self._plotly)

@@ -15,7 +15,7 @@ import torch
 
 from . import Scope, ScopeError
 
-__all__ = ["generate", "Session", "pca_2d", "to_json"]
+__all__ = ["generate", "Session", "describe", "pca_2d", "to_json"]
 
 MAX_NEW_TOKENS = 256
 MAX_PROMPT_CHARS = 4096
@@ -113,6 +113,24 @@ def to_json(v):
     return v
 
 
+def describe(scope: Scope, world: int, mode: str) -> dict:
+    """What ``info`` returns: the model, the layout, what can be asked."""
+    from . import KINDS, PERTURB_SITES, REDUCERS, SITES
+
+    c = scope.model_config
+    st = scope.state
+    return {"mode": mode, "step": scope.step_count,
+            "model": {"num_layers": c.num_layers, "hidden_size": c.hidden_size,
+                      "num_attention_heads": c.num_attention_heads,
+                      "seq_length": c.seq_length, "vocab_size": c.vocab_size},
+            "parallel": {"tp": st.tp_size, "pp": st.pp_size, "dp": st.dp_size, "world": world},
+            "sites": list(SITES), "perturb_sites": list(PERTURB_SITES),
+            "reducers": list(REDUCERS), "kinds": list(KINDS),
+            "watching": sorted(scope.probes),
+            "perturbations": [p.describe() for p in scope.perturbations],
+            "log": scope.log[-50:]}
+
+
 class Session:
     """A model, its scope and tokenizer, driven by commands that rank 0
     broadcasts (:meth:`execute` on every rank, :meth:`serve_forever` on the
@@ -126,19 +144,7 @@ class Session:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     def info(self) -> dict:
-        from . import KINDS, PERTURB_SITES, REDUCERS, SITES
-
-        c = self.scope.model_config
-        st = self.scope.state
-        return {"model": {"num_layers": c.num_layers, "hidden_size": c.hidden_size,
-                          "num_attention_heads": c.num_attention_heads,
-                          "seq_length": c.seq_length, "vocab_size": c.vocab_size},
-                "parallel": {"tp": st.tp_size, "pp": st.pp_size, "dp": st.dp_size,
-                             "world": self.world},
-                "sites": list(SITES), "perturb_sites": list(PERTURB_SITES),
-                "reducers": list(REDUCERS), "kinds": list(KINDS),
-                "perturbations": [p.describe() for p in self.scope.perturbations],
-                "log": self.scope.log[-50:]}
+        return describe(self.scope, self.world, "serve")
 
     # ---- commands ---------------------------------------------------------
     def execute(self, cmd: dict) -> dict:
@@ -158,6 +164,9 @@ class Session:
             return {"perturbations": []}
         if op == "noop":
             return {}
+        if op in ("watch", "unwatch"):
+            raise ScopeError(f"{op} applies to a training run (--scope-port); a generation "
+                             "records every site")
         raise ScopeError(f"unknown op {op!r}: expected info, generate, perturb or clear")
 
     def _generate(self, cmd: dict) -> dict:

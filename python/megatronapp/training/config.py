@@ -275,6 +275,11 @@ class LoggingConfig:
     tensorboard_dir: str | None = _flag(
         None, "write TensorBoard scalars (loss, lr, grad norm, tokens/s, memory) here",
         metavar="DIR")
+    scope_port: int | None = _flag(
+        None, "serve MegaScope on this port from rank 0 while training (0: any free port, "
+        "written to OUTPUT_DIR/scope.port); docs/scope.md", metavar="P")
+    scope_host: str = _flag("127.0.0.1", "MegaScope's address (not loopback: --scope-token)")
+    scope_token: str | None = _flag(None, "token MegaScope clients must send", metavar="T")
 
 
 @dataclass

@@ -405,4 +405,9 @@ def default_hooks(config, world: int) -> list:
     hooks += [ProgressHook(config.logging), OutputHook(config.logging.output_dir)]
     if config.logging.tensorboard_dir:
         hooks.append(TensorBoardHook(config.logging.tensorboard_dir))
+    if config.logging.scope_port is not None:
+        from ..scope.training import ScopeHook
+
+        log = config.logging
+        hooks.append(ScopeHook(log.scope_port, log.scope_host, log.scope_token, log.output_dir))
     return hooks
