@@ -6,6 +6,7 @@ covers, which loss.csv marks; streamed summaries match the recorded loss."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import csv
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from test_scope_browser import _misbehave, _post
 
@@ -26,14 +28,14 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--tensor-model-parallel-size", "2"]
 
 
-def _train(out, extra=(), client=None):
+def _train(out, extra=(), client=None, args=ARGS):
     port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *ARGS, *extra,
+            [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *args, *extra,
              "--output-dir", str(out)], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     result = {}
@@ -107,7 +109,9 @@ def test_clients_never_disturb_training_and_perturbations_are_recorded(tmp_path)
     for e in steps:
         assert e["loss"] == by_iter[e["iteration"]]
         res = e["internals"]["residual"]
-        assert sorted(res) == ["0", "1"] and len(res["0"]) == 64 and len(res["0"][0]) == 64
+        assert sorted(res) == ["0", "1"] and res["0"]["shape"] == [64, 64]
+        values = np.frombuffer(base64.b64decode(res["0"]["data"]), dtype=np.float32)
+        assert values.size == 64 * 64 and np.isfinite(values).all() and values.std() > 0
 
     perturbed, got = _train(tmp_path / "perturbed", ["--scope-port", "0"], _perturber)
     assert got["code"] == 200, got
@@ -117,3 +121,24 @@ def test_clients_never_disturb_training_and_perturbations_are_recorded(tmp_path)
     first = marked[0] - 1
     assert [r["loss"] for r in perturbed[:first]] == [r["loss"] for r in clean[:first]]
     assert perturbed[first]["loss"] != clean[first]["loss"]
+
+
+def _streamer(out, procs):
+    port = _port(out, procs)
+    return {"events": asyncio.run(_stream(f"http://127.0.0.1:{port}/ws", 3))}
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_stages_stream_their_own_layers_to_rank_0(tmp_path):
+    """PP2 with 1F1B and ZeRO-1: layer 0 lives on stage 0,
+    layer 1 on stage 1; both reach the client, and training is unchanged."""
+    args = ARGS[:ARGS.index("--tensor-model-parallel-size")] + [
+        "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+        "--train-iters", "60"]  # (the last --train-iters wins)
+    clean, _ = _train(tmp_path / "clean", args=args)
+    watched, got = _train(tmp_path / "watched", ["--scope-port", "0"], _streamer, args=args)
+    assert [r["loss"] for r in watched] == [r["loss"] for r in clean]
+    steps = [e for e in got["events"] if e.get("type") == "step" and e["internals"]]
+    assert len(steps) >= 3
+    for e in steps:
+        assert sorted(e["internals"]["residual"]) == ["0", "1"]

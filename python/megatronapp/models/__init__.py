@@ -1,5 +1,6 @@
 """Reference models built from megatronapp's parallel layers."""
 
 from .gpt import GPTConfig, GPTModel
+from .vit import ViTConfig, ViTModel
 
-__all__ = ["GPTConfig", "GPTModel"]
+__all__ = ["GPTConfig", "GPTModel", "ViTConfig", "ViTModel"]

@@ -55,6 +55,8 @@ class GPTConfig:
     #: [s, s] scores kept); "unfused"/"local": scores, softmax, dropout and the
     #: value product as separate ops, as Megatron's local core attention.
     attention_backend: str = "auto"
+    #: "causal" (GPT) or "no_mask" (bidirectional: the ViT encoder)
+    attn_mask_type: str = "causal"
     #: None, "selective" (recompute core attention) or "full" (whole layers).
     recompute_granularity: str | None = None
     recompute_method: str | None = None  #: full: "uniform" or "block"
@@ -97,6 +99,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.num_experts is not None:
             self._check_moe()
+        if self.attn_mask_type not in ("causal", "no_mask"):
+            raise ValueError(f"attn_mask_type {self.attn_mask_type!r}: expected causal or no_mask")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r}: expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
@@ -173,7 +177,7 @@ def check_recompute(granularity, method, num_layers, distribute=False,
                          "--sequence-parallel (the layer inputs are already sharded)")
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
+def activation_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
     """Dropout whose masks agree across the tensor group on replicated
     activations and differ on sharded ones (the tracked state)."""
     if not training or p == 0.0:
@@ -188,7 +192,7 @@ def _normal(std: float):
     return lambda t: nn.init.normal_(t, 0.0, std)
 
 
-def _mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
+def mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
     for p in module.parameters():
         p.sequence_parallel = enabled
 
@@ -209,7 +213,11 @@ class ParallelAttention(nn.Module):
         self.backend = cfg.attention_backend
         self.fused = cfg.attention_backend in ("auto", "flash", "fused")
         self.selective = cfg.recompute_granularity == "selective"
+        self.causal = cfg.attn_mask_type == "causal"
         self.context_group = state.context_group  # None: no context parallelism
+        if self.context_group is not None and not self.causal:
+            raise ValueError("context parallelism needs causal attention (attn_mask_type "
+                             "no_mask is not supported with --context-parallel-size > 1)")
         self.cp_comm_type = cfg.cp_comm_type
         if self.context_group is not None and cfg.attention_dropout > 0:
             raise ValueError("attention dropout with context parallelism is not supported")
@@ -257,11 +265,17 @@ class ParallelAttention(nn.Module):
         # local path with the fused dropout kernel computes the same.
         if self.fused and not (p > 0.0 and q.device.type == "cpu" and self.backend == "auto"):
             if p == 0.0:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
             with get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         scores = torch.matmul(q, k.transpose(-1, -2))  # its backward keeps q, k only
         scale = 1.0 / math.sqrt(self.head_dim)
+        if not self.causal:
+            probs = torch.softmax(scores * scale, dim=-1)
+            if p > 0.0:
+                with get_rng_tracker().fork():
+                    probs = dropout(probs, p)
+            return torch.matmul(probs, v)
         if p == 0.0:
             return torch.matmul(scaled_causal_softmax(scores, scale), v)
         with get_rng_tracker().fork():  # this rank's heads: the tensor-parallel state
@@ -274,8 +288,9 @@ class ParallelAttention(nn.Module):
         if self.context_group is not None:
             raise ValueError("the scope's attn_probs site (and zero_head on it) is not available "
                              "under context parallelism: no rank holds a whole score matrix")
-        probs = scaled_causal_softmax(torch.matmul(q, k.transpose(-1, -2)),
-                                      1.0 / math.sqrt(self.head_dim))
+        scores, scale = torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim)
+        probs = scaled_causal_softmax(scores, scale) if self.causal else \
+            torch.softmax(scores * scale, dim=-1)
         probs = scope.tap("attn_probs", self.layer_number, probs, "heads")
         if p > 0.0:
             with get_rng_tracker().fork():
@@ -321,23 +336,23 @@ class TransformerLayer(nn.Module):
             self.mlp = MOE_LAYER[0](cfg, state, output_std, seed)
         else:
             self.mlp = ParallelMLP(cfg, state, output_std)
-        _mark_sequence_parallel(self.ln1, cfg.sequence_parallel)
-        _mark_sequence_parallel(self.ln2, cfg.sequence_parallel)
+        mark_sequence_parallel(self.ln1, cfg.sequence_parallel)
+        mark_sequence_parallel(self.ln2, cfg.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.dropout_p, self.sequence_parallel
-        x = x + _dropout(self.attn(self.ln1(x)), p, self.training, sharded=sp)
+        x = x + activation_dropout(self.attn(self.ln1(x)), p, self.training, sharded=sp)
         scope = taps.ACTIVE
         if scope is None:
-            return x + _dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
+            return x + activation_dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
         kind, i = ("seq" if sp else "replicated"), self.layer_number
         y = self.mlp(scope.tap("mlp_in", i, self.ln2(x), kind))
-        x = x + _dropout(scope.tap("mlp_out", i, y, kind), p, self.training, sharded=sp)
+        x = x + activation_dropout(scope.tap("mlp_out", i, y, kind), p, self.training, sharded=sp)
         return scope.tap("residual", i, x, kind)
 
 
 @contextlib.contextmanager
-def _seeded(base: int, component: int):
+def seeded(base: int, component: int):
     """Draws inside from the CPU RNG seeded for `component`; restores it after."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((base * 1_000_003 + 7919 * (component + 1)) % (2**63 - 1))
@@ -386,7 +401,7 @@ class GPTModel(nn.Module):
         split = tied and not (pre_process and post_process)
         self.word_embeddings = self.position_embeddings = None
         if pre_process or (post_process and tied):
-            with _seeded(base, 0):
+            with seeded(base, 0):
                 self.word_embeddings = VocabParallelEmbedding(
                     cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
                     parallel_state=state)
@@ -399,14 +414,14 @@ class GPTModel(nn.Module):
                 self.word_embeddings.weight.shared_embedding_replica = not pre_process
         layers = []
         for i in self.layer_numbers:
-            with _seeded(base, 1 + i):
+            with seeded(base, 1 + i):
                 layers.append(TransformerLayer(cfg, state, i))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = self.output_layer = None
         if post_process:
-            with _seeded(base, 1 + cfg.num_layers):
+            with seeded(base, 1 + cfg.num_layers):
                 self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-                _mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
+                mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
                 if not tied:
                     self.output_layer = ColumnParallelLinear(
                         cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
@@ -431,7 +446,7 @@ class GPTModel(nn.Module):
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
             if self.config.sequence_parallel:
                 x = mappings.scatter_to_sequence_parallel_region(x, self.group)
-            x = _dropout(x, self.config.hidden_dropout, self.training,
+            x = activation_dropout(x, self.config.hidden_dropout, self.training,
                          sharded=self.config.sequence_parallel)
         x = self._layers_forward(x)
         if not self.post_process:
@@ -453,27 +468,29 @@ class GPTModel(nn.Module):
         return loss.transpose(0, 1)
 
     def _layers_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's layers; with full recomputation, Megatron's methods:
-        ``uniform`` keeps only the input of every group of
-        ``recompute_num_layers`` consecutive layers and recomputes the group
-        in backward; ``block`` recomputes each of the first
-        ``recompute_num_layers`` layers of this stage (chunk) and keeps the
-        rest."""
-        cfg, layers = self.config, self.layers
-        if cfg.recompute_granularity != "full" or not (self.training and torch.is_grad_enabled()):
-            for layer in layers:
-                x = layer(x)
-            return x
-        n, k = len(layers), cfg.recompute_num_layers
-        dist_saved = cfg.distribute_saved_activations
-        if cfg.recompute_method == "uniform":
-            for start in range(0, n, k):
-                group = layers[start:start + k]
-                x = checkpoint(_run_layers(group), dist_saved, x, group=self.group)
-            return x
-        for i, layer in enumerate(layers):
-            x = checkpoint(layer, dist_saved, x, group=self.group) if i < k else layer(x)
+        return forward_layers(self.layers, x, self.config, self.group, self.training)
+
+
+def forward_layers(layers, x: torch.Tensor, cfg: GPTConfig, group, training: bool):
+    """A stage's transformer layers; with full recomputation, Megatron's
+    methods: ``uniform`` keeps only the input of every group of
+    ``recompute_num_layers`` consecutive layers and recomputes the group in
+    backward; ``block`` recomputes each of the first ``recompute_num_layers``
+    layers of this stage (chunk) and keeps the rest."""
+    if cfg.recompute_granularity != "full" or not (training and torch.is_grad_enabled()):
+        for layer in layers:
+            x = layer(x)
         return x
+    n, k = len(layers), cfg.recompute_num_layers
+    dist_saved = cfg.distribute_saved_activations
+    if cfg.recompute_method == "uniform":
+        for start in range(0, n, k):
+            chunk = layers[start:start + k]
+            x = checkpoint(_run_layers(chunk), dist_saved, x, group=group)
+        return x
+    for i, layer in enumerate(layers):
+        x = checkpoint(layer, dist_saved, x, group=group) if i < k else layer(x)
+    return x
 
 
 def _run_layers(layers):

@@ -30,6 +30,7 @@ from . import KINDS, PERTURB_SITES, ScopeError
 __all__ = ["ScopeServer", "validate", "MAX_REQUEST_BYTES"]
 
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_BACKLOG = 8  #: events waiting to be sent before newer ones are dropped
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 
 
@@ -141,6 +142,9 @@ class ScopeServer:
         self.host, self.port, self.token = host, port, token
         self.requests: queue.Queue = queue.Queue(maxsize=64)
         self._clients: set = set()
+        self._backlog = 0  # events queued for sending (under _lock)
+        self._lock = threading.Lock()
+        self.dropped = 0  #: events dropped because clients were slower than training
         self._loop = None
         self._runner = None
         self._ready = threading.Event()
@@ -156,10 +160,25 @@ class ScopeServer:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        """Closes the clients and the listener; never raises (a client that
+        does not go away cannot hold the run's exit: the thread is a daemon)."""
+        if self._loop is None:
+            return
+
+        async def shutdown():
+            for ws in list(self._clients):
+                try:
+                    await asyncio.wait_for(ws.close(code=1001, message=b"run ended"), 2)
+                except Exception:  # noqa: BLE001 - a client that vanished
+                    pass
+            await self._runner.cleanup()
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop = None
 
     def _main(self) -> None:
         from aiohttp import web
@@ -291,16 +310,27 @@ class ScopeServer:
 
     # ---- pushing events (from any thread) ---------------------------------
     def publish(self, event: dict) -> None:
+        """Queues `event` for every client; encoding and sending happen on
+        the server's thread (off the training loop's path)."""
         if self._loop is None or not self._clients:
             return
-        data = json.dumps(event)
+        with self._lock:
+            if self._backlog >= MAX_BACKLOG:  # slow clients: drop, never queue unboundedly
+                self.dropped += 1
+                return
+            self._backlog += 1
 
         async def send():
-            for ws in list(self._clients):
-                try:
-                    await ws.send_str(data)
-                except Exception:  # noqa: BLE001 - a client gone mid-send
-                    self._clients.discard(ws)
+            try:
+                data = json.dumps(event)
+                for ws in list(self._clients):
+                    try:
+                        await asyncio.wait_for(ws.send_str(data), 10)
+                    except Exception:  # noqa: BLE001 - a client gone or stuck mid-send
+                        self._clients.discard(ws)
+            finally:
+                with self._lock:
+                    self._backlog -= 1
         asyncio.run_coroutine_threadsafe(send(), self._loop)
 
     @property

@@ -15,7 +15,7 @@ import torch
 
 from . import Scope, ScopeError
 
-__all__ = ["generate", "Session", "describe", "pca_2d", "to_json"]
+__all__ = ["generate", "Session", "describe", "pca_2d", "to_json", "to_packed"]
 
 MAX_NEW_TOKENS = 256
 MAX_PROMPT_CHARS = 4096
@@ -96,13 +96,34 @@ def pca_2d(x: torch.Tensor) -> list:
     return proj.tolist()
 
 
+def _finite(x):
+    if isinstance(x, list):
+        return [_finite(y) for y in x]
+    return x if math.isfinite(x) else None
+
+
+def to_packed(v):
+    """Like :func:`to_json` but each tensor as {"dtype": "float32" | "int64",
+    "shape", "data": base64 of its little-endian bytes}: what the training
+    stream sends (a fraction of the encoding cost of nested lists)."""
+    import base64
+
+    if torch.is_tensor(v):
+        t = v.detach().cpu().contiguous()
+        t = t.float() if t.is_floating_point() else t.long()
+        return {"dtype": "float32" if t.is_floating_point() else "int64",
+                "shape": list(t.shape), "data": base64.b64encode(t.numpy().tobytes()).decode()}
+    if isinstance(v, dict):
+        return {str(k): to_packed(x) for k, x in v.items()}
+    return v
+
+
 def to_json(v):
     """Tensors (and dicts/lists of them) as nested lists; non-finite values
     (a bit flip can make them) become None."""
     if torch.is_tensor(v):
-        if v.is_floating_point():
-            return [to_json(x) for x in v] if v.dim() else (
-                float(v) if math.isfinite(float(v)) else None)
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            return _finite(v.tolist())
         return v.tolist()
     if isinstance(v, dict):
         return {str(k): to_json(x) for k, x in v.items()}

@@ -6,7 +6,8 @@ broadcasts them, and every rank applies them in the same order, so the
 ranks never disagree on what is watched or perturbed. Idle, the cost is one
 one-element broadcast per iteration. While something is watched, each
 iteration's records are collected to rank 0 and pushed to WebSocket
-clients with the loss (``{"type": "step", ...}``); a perturbed iteration
+clients with the loss (``{"type": "step", ...}``; tensors packed as base64
+float32, :func:`~megatronapp.scope.session.to_packed`); a perturbed iteration
 carries ``perturbed`` in its record, so ``loss.csv`` shows it.
 
 Clients only ever reach the server thread and a queue: one that connects,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 
 import torch.distributed as dist
 
@@ -24,7 +26,7 @@ import torch
 
 from ..training.hooks import Hook
 from . import Scope, ScopeError
-from .session import describe, to_json
+from .session import describe, to_packed
 
 __all__ = ["ScopeHook"]
 
@@ -38,6 +40,7 @@ class ScopeHook(Hook):
         self.scope = None
         self.server = None
         self.rank, self.world = 0, 1
+        self._spent, self._previous = 0.0, None
 
     def on_start(self, run):
         from .server import ScopeServer
@@ -100,6 +103,7 @@ class ScopeHook(Hook):
                          "python -m megatronapp.scope serve)")
 
     def on_iteration_begin(self, run, it):
+        t0 = time.perf_counter()
         pending = self._pending()
         cmds = self._broadcast([cmd for cmd, _ in pending])
         for i, cmd in enumerate(cmds):
@@ -110,8 +114,10 @@ class ScopeHook(Hook):
             if self.rank == 0:
                 pending[i][1](result)
         self._previous = self.scope.begin_step()
+        self._spent = time.perf_counter() - t0
 
     def on_iteration_end(self, run, it, record):
+        t0 = time.perf_counter()
         sc = self.scope
         sc.end_step(self._previous)
         perturbed = sc.perturbed_last_step()
@@ -121,7 +127,9 @@ class ScopeHook(Hook):
         if self.server is not None and self.server.has_clients:
             self.server.publish({"type": "step", "iteration": it + 1, "loss": record["loss"],
                                  "perturbed": perturbed,
-                                 "internals": None if internals is None else to_json(internals)})
+                                 "internals": None if internals is None else to_packed(internals)})
+        # the scope's own time this iteration, outside the step ("seconds")
+        record["scope_seconds"] = self._spent + time.perf_counter() - t0
 
     def close(self, error=None):
         if self.server is not None:
