@@ -1,7 +1,7 @@
 """The ViT from our tensor-parallel layers: Megatron's reference
 configuration exactly (174,720 parameters, output [2, 577, 64]),
-bidirectional attention, and the same outputs and gradients at TP1, TP2 and
-TP2 with sequence parallelism."""
+bidirectional attention, and the same outputs and gradients at TP1, TP2,
+TP2 with sequence parallelism and two pipeline stages."""
 
 from __future__ import annotations
 
@@ -108,3 +108,45 @@ def test_bad_shapes_get_clear_errors():
     assert "img_h (30) is not divisible by patch_dim (14)" in msgs[0]
     assert "splits the 7 tokens" in msgs[1]
     assert "expected images [b, 3, 24, 24], got [2, 3, 16, 16]" in msgs[2]
+
+
+def _pp2(rank, world):
+    """Two pipeline stages by hand (send the hidden states, return their
+    gradient): the same loss and gradients as one stage."""
+    import torch.distributed as dist
+
+    import megatronapp
+    from megatronapp.checkpoint import global_named_parameters
+    from megatronapp.models import ViTConfig, ViTModel
+
+    state = megatronapp.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model = ViTModel(ViTConfig(**SMALL), parallel_state=state, seed=7, pre_process=rank == 0,
+                     post_process=rank == 1, layer_numbers=[rank])
+    torch.manual_seed(1)
+    images, labels = torch.randn(4, 3, 24, 24), torch.randint(0, 10, (4,))
+    shape = (ViTConfig(**SMALL).seq_length, 4, SMALL["hidden_size"])
+    loss = None
+    if rank == 0:
+        hidden = model(images)
+        dist.send(hidden.detach().contiguous(), 1)
+        grad = torch.empty(shape)
+        dist.recv(grad, 1)
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(shape)
+        dist.recv(hidden, 0)
+        hidden.requires_grad_(True)
+        loss = model(hidden, labels).mean()
+        loss.backward()
+        dist.send(hidden.grad.contiguous(), 0)
+    return {"loss": None if loss is None else loss.item(),
+            "grads": {n: p.grad for n, p in global_named_parameters([model]).items()}}
+
+
+def test_pp2_stages_give_the_one_stage_loss_and_gradients(tp1):
+    first, last = run_ranks(_pp2, 2)
+    assert abs(last["loss"] - tp1["loss"]) < 1e-5
+    grads = {**first["grads"], **last["grads"]}
+    assert grads.keys() == tp1["grads"].keys()
+    for name, g in tp1["grads"].items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
