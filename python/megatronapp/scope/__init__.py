@@ -55,7 +55,7 @@ import torch
 from . import taps
 
 __all__ = ["Scope", "ScopeError", "Probe", "Perturbation", "SITES", "REDUCERS", "KINDS",
-           "reduce_tensor"]
+           "reduce_tensor", "check_perturbation"]
 
 SITES = ("query", "key", "value", "attn_probs", "attn_context", "mlp_in", "mlp_out",
          "residual", "logits")
@@ -119,6 +119,16 @@ def _check_int(name, v, lo, hi=None):
 def _check_float(name, v, lo=0.0):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo or v != v:
         raise ScopeError(f"{name} must be a number >= {lo}, got {v!r}")
+
+
+def check_perturbation(site, kind) -> None:
+    """ScopeError unless `site` and `kind` name a perturbation site and kind."""
+    if site not in PERTURB_SITES:
+        raise ScopeError(f"unknown perturbation site {site!r}: expected one of "
+                         f"{', '.join(PERTURB_SITES)}")
+    if kind not in KINDS:
+        raise ScopeError(f"unknown perturbation kind {kind!r}: expected one of "
+                         f"{', '.join(KINDS)}")
 
 
 def reduce_tensor(t: torch.Tensor, probe: Probe):
@@ -214,12 +224,7 @@ class Scope:
                 name: str | None = None, steps: int | None = 1, seed: int = 0) -> int:
         """Arms a perturbation for the next `steps` steps (None: until
         cleared); returns its id. Weights are edited right away."""
-        if site not in PERTURB_SITES:
-            raise ScopeError(f"unknown perturbation site {site!r}: expected one of "
-                             f"{', '.join(PERTURB_SITES)}")
-        if kind not in KINDS:
-            raise ScopeError(f"unknown perturbation kind {kind!r}: expected one of "
-                             f"{', '.join(KINDS)}")
+        check_perturbation(site, kind)
         if kind == "zero_head":
             if site not in HEAD_SITES:
                 raise ScopeError(f"zero_head needs a site with heads ({', '.join(HEAD_SITES)}), "

@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 
-from . import KINDS, PERTURB_SITES, ScopeError
+from . import ScopeError, check_perturbation
 
 __all__ = ["ScopeServer", "validate", "MAX_REQUEST_BYTES"]
 
@@ -105,12 +105,7 @@ def validate(cmd) -> dict:
     if op == "perturb":
         site = _typed(cmd, "site", (str,), None)
         kind = _typed(cmd, "kind", (str,), None)
-        if site not in PERTURB_SITES:
-            raise ScopeError(f"unknown perturbation site {site!r}: expected one of "
-                             f"{', '.join(PERTURB_SITES)}")
-        if kind not in KINDS:
-            raise ScopeError(f"unknown perturbation kind {kind!r}: expected one of "
-                             f"{', '.join(KINDS)}")
+        check_perturbation(site, kind)
         out = {"op": op, "site": site, "kind": kind}
         for k, types in (("std", (int, float)), ("scale", (int, float)),
                          ("fraction", (int, float)), ("bit", (int,)), ("head", (int,)),
