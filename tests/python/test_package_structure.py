@@ -117,7 +117,8 @@ def test_no_import_cycles():
     graph = _graph()
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-    assert depth(graph) <= 12, f"import graph depth {depth(graph)}"
+    # 13: a second model family (models -> vit -> gpt's shared layers) added one level
+    assert depth(graph) <= 13, f"import graph depth {depth(graph)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

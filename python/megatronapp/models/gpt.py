@@ -20,10 +20,10 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
+from .. import scope_taps as taps
 from ..autograd import linear
 from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
 from ..parallel_state import ParallelState
-from ..scope import taps
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -31,7 +31,7 @@ from ..tensor_parallel import (
     mappings,
     vocab_parallel_cross_entropy,
 )
-from ..tensor_parallel.random import checkpoint, dropout, get_rng_tracker
+from ..tensor_parallel.random import check_recompute, checkpoint, dropout, get_rng_tracker
 from ..tensor_parallel.utils import divide, resolve_state
 
 
@@ -152,29 +152,6 @@ class GPTConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-
-
-def check_recompute(granularity, method, num_layers, distribute=False,
-                    sequence_parallel=False) -> None:
-    """Megatron's rules for the recomputation flags; ValueError naming the flag."""
-    if granularity not in (None, "selective", "full"):
-        raise ValueError(f"--recompute-granularity {granularity!r}: expected selective or full")
-    if granularity == "full":
-        if method not in ("uniform", "block"):
-            raise ValueError("--recompute-granularity full needs --recompute-method uniform "
-                             "or block")
-        if num_layers is None or num_layers < 1:
-            raise ValueError("--recompute-granularity full needs --recompute-num-layers N "
-                             "(N >= 1): layers per recomputed group (uniform) or the first N "
-                             "layers of each stage (block)")
-    elif method is not None:
-        raise ValueError(f"--recompute-method {method} applies only to "
-                         "--recompute-granularity full")
-    if distribute and granularity != "full":
-        raise ValueError("--distribute-saved-activations needs --recompute-granularity full")
-    if distribute and sequence_parallel:
-        raise ValueError("--distribute-saved-activations does not combine with "
-                         "--sequence-parallel (the layer inputs are already sharded)")
 
 
 def activation_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:

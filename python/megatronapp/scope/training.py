@@ -24,16 +24,19 @@ import torch.distributed as dist
 
 import torch
 
-from ..training.hooks import Hook
 from . import Scope, ScopeError
 from .session import describe, to_packed
 
-__all__ = ["ScopeHook"]
+__all__ = ["TrainingScope"]
 
 MAX_COMMANDS_PER_STEP = 16
 
 
-class ScopeHook(Hook):
+class TrainingScope:
+    """The scope's side of a training run; ``megatronapp.training.hooks.ScopeHook``
+    calls it at the loop's hook points (the training package depends on the
+    scope, not the reverse)."""
+
     def __init__(self, port: int, host: str = "127.0.0.1", token: str | None = None,
                  output_dir: str | None = None):
         self.port, self.host, self.token, self.output_dir = port, host, token, output_dir

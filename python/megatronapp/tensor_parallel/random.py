@@ -37,6 +37,7 @@ import torch
 from .. import _collectives
 
 __all__ = [
+    "check_recompute",
     "MODEL_PARALLEL_RNG",
     "RNGStatesTracker",
     "get_rng_tracker",
@@ -302,3 +303,26 @@ def checkpoint(function, distribute_saved_activations: bool, *args, group=None):
     else:
         group = None
     return _Checkpoint.apply(function, group, *args)
+
+
+def check_recompute(granularity, method, num_layers, distribute=False,
+                    sequence_parallel=False) -> None:
+    """Megatron's rules for the recomputation flags; ValueError naming the flag."""
+    if granularity not in (None, "selective", "full"):
+        raise ValueError(f"--recompute-granularity {granularity!r}: expected selective or full")
+    if granularity == "full":
+        if method not in ("uniform", "block"):
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform "
+                             "or block")
+        if num_layers is None or num_layers < 1:
+            raise ValueError("--recompute-granularity full needs --recompute-num-layers N "
+                             "(N >= 1): layers per recomputed group (uniform) or the first N "
+                             "layers of each stage (block)")
+    elif method is not None:
+        raise ValueError(f"--recompute-method {method} applies only to "
+                         "--recompute-granularity full")
+    if distribute and granularity != "full":
+        raise ValueError("--distribute-saved-activations needs --recompute-granularity full")
+    if distribute and sequence_parallel:
+        raise ValueError("--distribute-saved-activations does not combine with "
+                         "--sequence-parallel (the layer inputs are already sharded)")

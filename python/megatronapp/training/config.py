@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from ..comm import Compression
 from ..data.tokenizers import TOKENIZER_TYPES
-from ..models.gpt import check_recompute
 from ..pipeline import SCHEDULES, make_schedule
 from ..pipeline.layout import layer_layout, parse_layout
+from ..tensor_parallel.random import check_recompute
 
 __all__ = ["Config", "Plan", "ConfigError", "build_parser", "SECTIONS"]
 

@@ -29,7 +29,7 @@ import torch
 from .. import faults, memory, watchdog
 from .. import trace as tracing
 
-__all__ = ["Hook", "default_hooks", "FaultInjectionHook", "TracingHook", "WatchdogHook",
+__all__ = ["Hook", "default_hooks", "FaultInjectionHook", "TracingHook", "WatchdogHook", "ScopeHook",
            "PreemptionHook", "AllocationTraceHook", "ProgressHook", "OutputHook",
            "TensorBoardHook", "CallbacksHook"]
 
@@ -152,6 +152,29 @@ class WatchdogHook(Hook):
                 self.dog.explain_failure()  # (exits the process if a rank is dead)
             self.dog.stop()
             self.dog = None
+
+
+class ScopeHook(Hook):
+    """--scope-port: MegaScope serves the run from rank 0
+    (:class:`megatronapp.scope.training.TrainingScope`)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", token: str | None = None,
+                 output_dir: str | None = None):
+        from ..scope.training import TrainingScope
+
+        self.scope = TrainingScope(port, host, token, output_dir)
+
+    def on_start(self, run):
+        self.scope.on_start(run)
+
+    def on_iteration_begin(self, run, it):
+        self.scope.on_iteration_begin(run, it)
+
+    def on_iteration_end(self, run, it, record):
+        self.scope.on_iteration_end(run, it, record)
+
+    def close(self, error=None):
+        self.scope.close(error)
 
 
 class PreemptionHook(Hook):
@@ -406,8 +429,6 @@ def default_hooks(config, world: int) -> list:
     if config.logging.tensorboard_dir:
         hooks.append(TensorBoardHook(config.logging.tensorboard_dir))
     if config.logging.scope_port is not None:
-        from ..scope.training import ScopeHook
-
         log = config.logging
         hooks.append(ScopeHook(log.scope_port, log.scope_host, log.scope_token, log.output_dir))
     return hooks
