@@ -82,14 +82,13 @@ def _post(url, body, raw=None):
 def _reference(rank, world, ckpt):
     """The Python API on one rank (TP1) from the same checkpoint."""
     import megatronapp
-    from megatronapp.checkpoint import load
+    from megatronapp.checkpoint import load, read_metadata
     from megatronapp.data import build_tokenizer
     from megatronapp.models import GPTConfig, GPTModel
     from megatronapp.scope.session import Session
 
     state = megatronapp.initialize_model_parallel(tensor_model_parallel_size=1)
-    with open(os.path.join(ckpt, "latest")) as f:
-        meta = json.load(open(os.path.join(ckpt, f.read().strip(), "metadata.json")))
+    _, meta = read_metadata(ckpt)
     fields = set(GPTConfig.__dataclass_fields__)
     model = GPTModel(GPTConfig(**{k: v for k, v in meta["config"].items() if k in fields}),
                      parallel_state=state)

@@ -50,7 +50,7 @@ from .format import CheckpointError, fsync_dir, read, write
 from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
 __all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "AsyncLoad", "CheckpointError",
-           "global_named_parameters", "tensor_parallel_slice"]
+           "global_named_parameters", "tensor_parallel_slice", "read_metadata"]
 
 FORMAT_VERSION = 1
 
@@ -352,6 +352,17 @@ def latest(directory: str) -> str | None:
     return path
 
 
+def read_metadata(directory_or_path: str) -> tuple[str, dict] | None:
+    """(path, metadata) of a checkpoint (a directory's latest, or an iter_*
+    path), None when the directory has none; CheckpointError if corrupt."""
+    path = directory_or_path
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        path = latest(directory_or_path)
+        if path is None:
+            return None
+    return path, _read_meta(path)
+
+
 def _read_meta(path: str) -> dict:
     mpath = os.path.join(path, "metadata.json")
     try:
@@ -387,12 +398,10 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
     the dict above) before touching the model or the optimizer."""
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    path = directory_or_path
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        path = latest(directory_or_path)
-        if path is None:
-            return None
-    meta = _read_meta(path)
+    found = read_metadata(directory_or_path)
+    if found is None:
+        return None
+    path, meta = found
     if config is not None and meta.get("config"):
         diff = {k: (meta["config"].get(k), v) for k, v in config.items()
                 if k in meta["config"] and meta["config"][k] != v}

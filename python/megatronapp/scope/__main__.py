@@ -14,7 +14,6 @@ To watch a training run instead, give ``--scope-port P`` to pretrain_gpt.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import sys
@@ -50,19 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_config(args, tp: int, tokenizer_vocab: int):
-    from ..checkpoint import latest
+    from ..checkpoint import CheckpointError, read_metadata
     from ..data import padded_vocab_size
     from ..models import GPTConfig
 
     fields = set(GPTConfig.__dataclass_fields__)
     if args.checkpoint:
-        path = args.checkpoint
-        if not os.path.isfile(os.path.join(path, "metadata.json")):
-            path = latest(path)
-            if path is None:
-                raise SystemExit(f"--checkpoint {args.checkpoint}: no checkpoint there")
-        with open(os.path.join(path, "metadata.json")) as f:
-            saved = json.load(f).get("config") or {}
+        try:
+            found = read_metadata(args.checkpoint)
+        except CheckpointError as e:
+            raise SystemExit(f"--checkpoint {args.checkpoint}: {e}") from None
+        if found is None:
+            raise SystemExit(f"--checkpoint {args.checkpoint}: no checkpoint there")
+        path, meta = found
+        saved = meta.get("config") or {}
         if "vocab_size" not in saved:
             raise SystemExit(f"--checkpoint {path}: its metadata has no model config")
         cfg = {k: v for k, v in saved.items() if k in fields}

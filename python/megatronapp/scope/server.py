@@ -254,8 +254,8 @@ class ScopeServer:
 
     async def submit(self, cmd: dict) -> dict:
         """Queues a validated command for the driving thread; its result."""
-        fut = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
+        fut = loop.create_future()
 
         def reply(result):
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import torch
 
-from . import Scope, ScopeError
+from . import Probe, Scope, ScopeError, reduce_tensor
 
 __all__ = ["generate", "Session", "describe", "pca_2d", "to_json", "to_packed"]
 
@@ -210,9 +210,8 @@ class Session:
         internals = out["internals"]
         mlp = internals.pop("mlp_out", {})
         pca = {str(layer): pca_2d(v) for layer, v in mlp.items()}
-        mlp_bins = {layer: torch.nn.functional.adaptive_avg_pool1d(v[None], bins)[0]
-                    if v.shape[-1] > bins else v for layer, v in mlp.items()}
-        internals["mlp_out"] = mlp_bins
+        binned = Probe("mlp_out", reduce="bins", bins=bins)
+        internals["mlp_out"] = {layer: reduce_tensor(v, binned) for layer, v in mlp.items()}
         detok = self._token_text
         return {"tokens": out["tokens"],
                 "text": [self.tokenizer.detokenize(t) for t in out["tokens"]],
