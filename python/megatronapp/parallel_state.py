@@ -37,6 +37,7 @@ __all__ = [
     "destroy_model_parallel",
     "model_parallel_is_initialized",
     "get_parallel_state",
+    "new_groups",
 ]
 
 
@@ -235,7 +236,7 @@ def shared_memory_enabled(group: dist.ProcessGroup, *, p2p: bool = False) -> boo
     return group is not None and bool(_shm_ops(p2p)[3](group.group_name))
 
 
-def _new_groups(partition: list, rank: int, backend=None):
+def new_groups(partition: list, rank: int, backend=None):
     """Creates every group of `partition` (a list of rank lists covering the
     world; collectively, same order on all ranks) and returns the one
     containing `rank` with its member list."""
@@ -310,10 +311,10 @@ def create_parallel_state(
                 "virtual pipeline stages (virtual_pipeline_model_parallel_size="
                 f"{virtual_pipeline_model_parallel_size}) need pipeline_model_parallel_size > 1"
             )
-    tp_group, tp_ranks = _new_groups(grid.groups(["tp"]), rank, backend)
-    dp_group, dp_ranks = _new_groups(grid.groups(["dp"]), rank, backend)
-    pp_group, pp_ranks = _new_groups(grid.groups(["pp"]), rank, backend)
-    mp_group, mp_ranks = _new_groups(grid.groups(["tp", "pp"]), rank, backend)
+    tp_group, tp_ranks = new_groups(grid.groups(["tp"]), rank, backend)
+    dp_group, dp_ranks = new_groups(grid.groups(["dp"]), rank, backend)
+    pp_group, pp_ranks = new_groups(grid.groups(["pp"]), rank, backend)
+    mp_group, mp_ranks = new_groups(grid.groups(["tp", "pp"]), rank, backend)
     emb_group, emb_ranks = None, None
     seen = set()
     for r in range(world):  # embedding groups: first and last stage per (tp, dp)
@@ -327,13 +328,13 @@ def create_parallel_state(
     cp_group = dpcp_group = None
     cp_ranks = [rank]
     if grid.cp > 1:
-        cp_group, cp_ranks = _new_groups(grid.groups(["cp"]), rank, backend)
-        dpcp_group, _ = _new_groups(grid.groups(["cp", "dp"]), rank, backend)
+        cp_group, cp_ranks = new_groups(grid.groups(["cp"]), rank, backend)
+        dpcp_group, _ = new_groups(grid.groups(["cp", "dp"]), rank, backend)
     ep_group = edp_group = None
     ep_ranks, edp_ranks = [rank], dp_ranks
     if grid.ep > 1:
-        ep_group, ep_ranks = _new_groups(grid.expert_groups(), rank, backend)
-        edp_group, edp_ranks = _new_groups(grid.expert_data_groups(), rank, backend)
+        ep_group, ep_ranks = new_groups(grid.expert_groups(), rank, backend)
+        edp_group, edp_ranks = new_groups(grid.expert_data_groups(), rank, backend)
     # On one node our collectives on these groups (tensor-parallel activations,
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
     for g in (tp_group, dp_group, mp_group, emb_group, ep_group, edp_group, cp_group,

@@ -11,10 +11,11 @@
 See docs/pipeline.md.
 """
 
+from . import fbd
 from .adaptive import AdaptiveSchedule, current_schedule, make_schedule
 from .executor import GradSync, PipelineResult, forward_backward
 from .schedules import SCHEDULES, Action, Schedule, SimulationResult, costs, simulate
 
-__all__ = ["Action", "AdaptiveSchedule", "GradSync", "PipelineResult", "SCHEDULES", "Schedule",
+__all__ = ["Action", "fbd", "AdaptiveSchedule", "GradSync", "PipelineResult", "SCHEDULES", "Schedule",
            "SimulationResult", "costs", "current_schedule", "forward_backward", "make_schedule",
            "simulate"]

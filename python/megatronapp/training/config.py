@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..comm import Compression
 from ..data.tokenizers import TOKENIZER_TYPES
 from ..pipeline import SCHEDULES, make_schedule
+from ..pipeline.fbd import FBDLayout, parse_ratio, program
 from ..pipeline.layout import layer_layout, parse_layout
 from ..tensor_parallel.random import check_recompute
 
@@ -78,6 +79,13 @@ class ParallelConfig:
                               choices=("p2p", "a2a"))
     distributed_backend: str = _flag("auto", "auto: nccl with CUDA, gloo otherwise",
                                      choices=("auto", "gloo", "nccl"))
+    forward_backward_disaggregating: bool = _flag(
+        False, "MegaFBD: split the data-parallel ranks into forward-only ranks, which run "
+        "the pipeline without autograd and ship each stage's input, and backward ranks, which "
+        "recompute that stage and run its backward (docs/fbd.md); needs pp >= 2")
+    fbd_ratio: str = _flag("1:1", "forward:backward ranks per FBD group (1:1, 1:2, 2:1, ...); "
+                           "the data-parallel size must be a multiple of their sum",
+                           metavar="F:B")
 
 
 @dataclass
@@ -442,6 +450,7 @@ class Config:
             raise ConfigError(f"--seq-length {m.seq_length} must be divisible by the "
                               f"tensor-parallel size {tp} with --sequence-parallel")
         self._check_context_parallel(tp, cp)
+        self._check_fbd(pp, dp, v, microbatches)
         try:
             layout = layer_layout(
                 m.num_layers, pp, v, first=par.decoder_first_pipeline_num_layers,
@@ -592,6 +601,24 @@ class Config:
                 raise ConfigError(
                     f"--data-path {p}: not {what} ({p}.idx / {p}.bin not found; make them "
                     "with python -m megatronapp.data.preprocess --input FILE --output-prefix P)")
+
+    def _check_fbd(self, pp: int, dp: int, v: int, microbatches: int) -> None:
+        """--forward-backward-disaggregating: the ratio, the grid and the batch fit."""
+        par = self.parallel
+        if not par.forward_backward_disaggregating:
+            return
+        try:
+            f, b = parse_ratio(par.fbd_ratio)
+            if v > 1:
+                raise ValueError("--forward-backward-disaggregating runs one model chunk per "
+                                 "stage; drop --virtual-pipeline-model-parallel-size")
+            if par.context_parallel_size > 1 or self.moe.expert_model_parallel_size > 1:
+                raise ValueError("--forward-backward-disaggregating does not run with context or "
+                                 "expert parallelism yet; drop --context-parallel-size / "
+                                 "--expert-model-parallel-size")
+            program(FBDLayout(dp, f, b), pp, (f + b) * microbatches)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _check_precision_and_recompute(self, sequence_parallel: bool) -> None:
         """--bf16/--fp16 and the loss scaler, recomputation, dropout, the memory limit."""

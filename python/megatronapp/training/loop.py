@@ -153,7 +153,8 @@ def _summary(run, history, valid, wall, train_seconds, tokens_per_iter, stopped_
         "tokens_per_s": tokens_per_iter * len(history) / train_seconds if train_seconds else 0.0,
         "losses": [h["loss"] for h in history],
         "history": history,
-        "comm": {k: sum(c.comm_stats()["step"][k] for c in run.chunks)
+        "comm": {k: sum(c.comm_stats()["step"][k] for c in run.chunks
+                        if hasattr(c, "comm_stats"))
                  for k in ("raw_bytes", "sent_bytes")},
     }
     if run.config.memory.memory_pool:

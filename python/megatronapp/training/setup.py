@@ -35,6 +35,8 @@ from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
 from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
+from ..pipeline.fbd import fbd_parallel_state, parse_ratio
+from ..pipeline.fbd import program as fbd_program
 from ..tensor_parallel.random import model_parallel_seed
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
@@ -322,6 +324,8 @@ def build_run(config: Config, hooks=()) -> Run:
     init_distributed(config)
     plan = check_config(config)
     state = build_parallel_state(config, install=True)
+    if config.parallel.forward_backward_disaggregating:  # the role split of the dp ranks
+        state = fbd_parallel_state(state, *parse_ratio(config.parallel.fbd_ratio))
     device = torch.device(config.device_type())
     rank, world = dist.get_rank(), dist.get_world_size()
     for h in hooks:
@@ -336,13 +340,24 @@ def build_run(config: Config, hooks=()) -> Run:
     model_parallel_seed(config.optim.seed + 100 * state.pp_rank, state, device.type)
     for h in hooks:
         h.on_model(modules, rank)
-    chunks = wrap_data_parallel(config, modules, state)
-    optimizer = build_optimizer(config, chunks, state)
+    if getattr(state, "is_forward", False):
+        # FBD forward ranks: weights only (no gradients, no optimizer state);
+        # the backward ranks broadcast new weights after every step.
+        for p in (p for c in modules for p in c.parameters()):
+            p.requires_grad_(False)
+        chunks, optimizer = modules, None
+    else:
+        chunks = wrap_data_parallel(config, modules, state)
+        optimizer = build_optimizer(config, chunks, state)
     m = config.model
     seq = m.seq_length // state.cp_size  # each context rank holds its zigzag chunks
     seq = seq // state.tp_size if cfg.sequence_parallel else seq
+    if config.parallel.forward_backward_disaggregating:
+        f, b = parse_ratio(config.parallel.fbd_ratio)
+        schedule = fbd_program(state.fbd, state.pp_size, (f + b) * plan.microbatches)
+    else:
+        schedule = schedule_for(config, state.pp_size, plan.microbatches, plan.vpp, state)
     return Run(config=config, plan=plan, rank=rank, world=world,
                state=state, device=device, dataset=dataset, model_config=cfg, chunks=chunks,
-               optimizer=optimizer,
-               schedule=schedule_for(config, state.pp_size, plan.microbatches, plan.vpp, state),
+               optimizer=optimizer, schedule=schedule,
                activation_shape=(seq, config.optim.micro_batch_size, m.hidden_size))

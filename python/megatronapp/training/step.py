@@ -20,8 +20,9 @@ import torch
 
 from .. import trace as tracing
 from ..context_parallel import zigzag_split
-from ..pipeline import AdaptiveSchedule, current_schedule, forward_backward, make_schedule
+from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule
 from ..tensor_parallel import vocab_parallel_cross_entropy
+from ..tensor_parallel.random import model_parallel_seed
 from .grads import finish_gradients
 
 __all__ = ["StepResult", "schedule_for", "lr_at", "train_step", "evaluate"]
@@ -65,6 +66,9 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     """Runs one global batch through this rank's part of the schedule; returns
     the mean loss over the global batch (the same on every rank)."""
     cfg, state = run.config, run.state
+    if getattr(state, "is_forward", False):  # FBD forward ranks: evaluation is the backward's
+        return _world_mean([], state, cfg.optim.global_batch_size // cfg.optim.micro_batch_size,
+                           run.device)
     with tracing.scope("data", "data", lane=0):
         gbs = cfg.optim.global_batch_size
         first = run.sample_offset + it * gbs if split == "train" else None
@@ -81,6 +85,25 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
     for layer in _moe_layers(run):  # the routers' aux losses: scaled as the main loss
         layer.aux_loss_scale = scale / len(micro)
+    loss_fn = _loss_fn(run, scale)
+    schedule = current_schedule(run.schedule)
+    if isinstance(schedule, fbd.FBDProgram):  # evaluation: the backward pipelines' forward
+        schedule = make_schedule("1f1b", state.pp_size, len(micro))
+    res = forward_backward(schedule, run.chunks,
+                           iter([(x.to(device), y) for x, y in micro]), loss_fn,
+                           tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
+                           parallel_state=state, forward_only=not backward,
+                           scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline
+                                           and not cfg.parallel.sequence_parallel))
+    if backward and isinstance(run.schedule, AdaptiveSchedule):
+        run.schedule.observe(res)
+    # (each context rank's loss is the mean over its equal share of the tokens)
+    return _world_mean(res.losses, state, len(micro) * state.dp_size * state.cp_size * scale,
+                       device)
+
+
+def _loss_fn(run, scale: float):
+    state, device = run.state, run.device
 
     def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
         # The cross-entropy runs in fp32 whatever the model's precision (as
@@ -89,33 +112,74 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
             logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
             group=state.tensor_group).mean()
         return loss * scale if scale != 1.0 else loss
+    return loss_fn
 
-    res = forward_backward(current_schedule(run.schedule), run.chunks,
-                           iter([(x.to(device), y) for x, y in micro]), loss_fn,
-                           tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
-                           parallel_state=state, forward_only=not backward,
-                           scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline
-                                           and not cfg.parallel.sequence_parallel))
-    if backward and isinstance(run.schedule, AdaptiveSchedule):
-        run.schedule.observe(res)
-    # Last stage: the sum of its microbatch losses; every tensor rank holds the
-    # same value, so only tensor rank 0 contributes. One all-reduce over the
-    # world adds the data-parallel ranks' shares; one host sync reads it.
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if res.losses and state.tp_rank == 0:
-        total += torch.stack(res.losses).double().sum()
+
+def _world_mean(losses, state, divisor: float, device, extra: float | None = None):
+    """Last stage: the sum of its microbatch losses; every tensor rank holds
+    the same value, so only tensor rank 0 contributes. One all-reduce over the
+    world adds the data-parallel ranks' shares (and `extra`, a value one rank
+    contributes); one host sync reads it."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if losses and state.tp_rank == 0:
+        total[0] += torch.stack(losses).double().sum()
+    total[1] = extra or 0.0
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
-    # (each context rank's loss is the mean over its equal share of the tokens)
-    return float(total) / (len(micro) * state.dp_size * state.cp_size * scale)
+    if extra is None:
+        return float(total[0]) / divisor
+    return float(total[0]) / divisor, float(total[1])
+
+
+def _fbd_train_step(run, it: int, lr: float) -> StepResult:
+    """One FBD step (:mod:`megatronapp.pipeline.fbd`): this rank's role in
+    the group program, the backward ranks' optimizer step, the new weights to
+    the forward ranks."""
+    cfg, state, device = run.config, run.state, run.device
+    gbs, mbs = cfg.optim.global_batch_size, cfg.optim.micro_batch_size
+    lay = state.fbd
+    with tracing.scope("data", "data", lane=0):
+        tokens, labels = run.dataset.global_batch("train", it, gbs, cfg.optim.seed,
+                                                  first_sample=run.sample_offset + it * gbs)
+        micro = []  # the microbatches of the group's data-parallel ranks, in order
+        for d in range(lay.group_size):
+            micro += run.dataset.microbatches(tokens, labels, mbs,
+                                              state.fbd_group * lay.group_size + d, lay.dp)
+    scale = 1.0 if state.is_forward else getattr(run.optimizer, "loss_scale", 1.0)
+    reseed = None
+    if cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0:
+        # A forward rank's stage output and the backward rank's recomputation
+        # draw the same dropout masks: both seed from (iteration, microbatch, stage).
+        def reseed(j):
+            model_parallel_seed(cfg.optim.seed + 100 * state.pp_rank
+                                + 7919 * (it * len(micro) + j + 1), state, device.type)
+    if not state.is_forward:
+        run.optimizer.zero_grad(set_to_none=True)
+    res = fbd.run_step(run.schedule, state, run.chunks, micro.__getitem__, _loss_fn(run, scale),
+                       tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
+                       device=device, grad_scale=scale, reseed=reseed)
+    run.extra["fbd_last"] = res
+    grad_norm = 0.0
+    if not state.is_forward:
+        with tracing.scope("optimizer", "optimizer", lane=0):
+            grad_norm = finish_gradients(run.chunks, run.optimizer, state, cfg.optim.clip_grad)
+            run.optimizer.step()
+    fbd.broadcast_weights(run.chunks, state)
+    reporter = not state.is_forward and state.dp_rank == 0 and state.tp_rank == 0 \
+        and state.pp_rank == 0
+    loss, grad_norm = _world_mean(res.losses, state, len(micro) * lay.groups, device,
+                                  extra=grad_norm if reporter else 0.0)
+    return StepResult(loss, grad_norm, lr)
 
 
 def train_step(run, it: int) -> StepResult:
     """Iteration `it` (0-based): forward and backward of the global batch,
     gradients finished (:mod:`.grads`), optimizer step."""
     lr = lr_at(run.config.optim, it)
-    for group in run.optimizer.param_groups:
+    for group in getattr(run.optimizer, "param_groups", ()):
         group["lr"] = lr
+    if run.config.parallel.forward_backward_disaggregating:
+        return _fbd_train_step(run, it, lr)
     run.optimizer.zero_grad(set_to_none=True)
     loss = _global_batch_loss(run, "train", it, backward=True)
     with tracing.scope("optimizer", "optimizer", lane=0):
