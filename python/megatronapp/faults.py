@@ -11,6 +11,7 @@ busy for (factor - 1) x the busy time it just took before its output (or input
 gradient) is released, so the busy time grows like a slower device's and the
 collectives that depend on the layer are delayed accordingly.
 
+``rank=0+2`` slows several ranks (e.g. the forward ranks of MegaFBD).
 An optional ``start=K`` applies the slowdown from iteration K on (a device
 that degrades mid-run; online detection compares it with its own history).
 
@@ -58,7 +59,7 @@ def _parse(var: str, keys: dict) -> dict | None:
 
 def slowdown() -> dict | None:
     """The parsed MAPP_INJECT_SLOWDOWN, or None."""
-    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": int, "factor": float, "phase": str,
+    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": _ranks, "factor": float, "phase": str,
                                            "start": int})
     if spec is None:
         return None
@@ -70,6 +71,12 @@ def slowdown() -> dict | None:
     if spec["factor"] < 1.0:
         raise ValueError(f"MAPP_INJECT_SLOWDOWN: factor must be >= 1, got {spec['factor']}")
     return spec
+
+
+def _ranks(text: str):
+    """``"1"`` -> 1, ``"0+2"`` -> (0, 2)."""
+    parts = [int(x) for x in text.split("+")]
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 def link_delay() -> dict | None:
@@ -89,7 +96,9 @@ def apply_slowdown(modules, rank: int) -> bool:
     """Hooks `modules` (e.g. every transformer layer) if MAPP_INJECT_SLOWDOWN
     names `rank`. Returns whether anything was hooked."""
     spec = slowdown()
-    if spec is None or spec["rank"] != rank or spec["factor"] == 1.0:
+    ranks = spec["rank"] if spec is not None and isinstance(spec["rank"], tuple) else (
+        spec["rank"] if spec is not None else None,)
+    if spec is None or rank not in ranks or spec["factor"] == 1.0:
         return False
     extra, start = spec["factor"] - 1.0, spec["start"]
     fwd = spec["phase"] in ("forward", "all")

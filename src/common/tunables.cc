@@ -35,8 +35,8 @@ const std::vector<Tunable>& tunables() {
        "sends a message through shared memory only when slots x slot bytes hold it whole"},
       // Fault injection (python/megatronapp/faults.py parses the values).
       {"MAPP_INJECT_SLOWDOWN", "",
-       "fault injection: 'rank=R,factor=F[,phase=forward|backward|all][,start=K]' makes rank "
-       "R's transformer layers F times slower (from iteration K on)"},
+       "fault injection: 'rank=R[+R...],factor=F[,phase=forward|backward|all][,start=K]' makes rank "
+       "R's (each named rank's) transformer layers F times slower (from iteration K on)"},
       {"MAPP_INJECT_KILL", "",
        "fault injection: 'rank=R,iteration=I' SIGKILLs rank R at the start of iteration I"},
       {"MAPP_INJECT_LINK_DELAY", "",

@@ -204,17 +204,18 @@ def _per_stage(x, p, name):
     return vals
 
 
-def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, weight_sync=0.0,
-             forward_slowdown: float = 1.0) -> FBDSimulation:
+def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, recompute=None,
+             weight_sync=0.0, forward_slowdown: float = 1.0) -> FBDSimulation:
     """Event-driven simulation of one group's step (executor semantics: sends
-    never block, a compute action waits for its input). `forward`: a forward
-    rank's no-autograd forward per stage; `backward`: a backward rank's
-    recompute + backward per stage (numbers or per-stage lists, seconds);
-    `p2p`: one transfer; `weight_sync`: the broadcast after the optimizer
-    step; `forward_slowdown` scales the forward ranks' compute (slower
-    devices)."""
+    never block, a compute action waits for its input). Per stage (numbers or
+    per-stage lists, seconds): `forward`, a forward rank's no-autograd
+    forward; `recompute`, a backward rank's forward with autograd (default:
+    `forward`); `backward`, its backward. `p2p`: one transfer;
+    `weight_sync`: the broadcast after the optimizer step;
+    `forward_slowdown` scales the forward ranks' compute (slower devices)."""
     p = prog.stages
     fwd = [t * forward_slowdown for t in _per_stage(forward, p, "forward")]
+    rec = _per_stage(forward if recompute is None else recompute, p, "recompute")
     bwd = _per_stage(backward, p, "backward")
     arrive = {}  # (kind, mb, receiver) -> time
     clock = {key: 0.0 for key in prog.table}
@@ -243,7 +244,7 @@ def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, weight_sync=0.0,
                 if token in pending:
                     heapq.heappush(ready, (arrive[token], pending.pop(token)))
             else:
-                cost = fwd[s] if a.type == "F" else bwd[s]
+                cost = {"F": fwd, "R": rec, "B": bwd}[a.type][s]
                 clock[key] += cost
                 busy[key] += cost
             pos[key] += 1
@@ -254,7 +255,7 @@ def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, weight_sync=0.0,
 
 
 def choose_ratio(ranks: int, p: int, microbatches: int, forward, backward, p2p=0.0, *,
-                 weight_sync=0.0, forward_slowdown: float = 1.0) -> list[dict]:
+                 recompute=None, weight_sync=0.0, forward_slowdown: float = 1.0) -> list[dict]:
     """Every FBD ratio that fits `ranks` pipelines' worth of data-parallel
     ranks (one FBD group of ``ranks`` ranks per pipeline coordinate), with its
     predicted step time for a global batch of `microbatches` microbatches,
@@ -265,8 +266,8 @@ def choose_ratio(ranks: int, p: int, microbatches: int, forward, backward, p2p=0
         if microbatches % f or microbatches % b:
             continue
         prog = program(FBDLayout(ranks, f, b), p, microbatches)
-        sim = simulate(prog, forward, backward, p2p, weight_sync=weight_sync,
-                       forward_slowdown=forward_slowdown)
+        sim = simulate(prog, forward, backward, p2p, recompute=recompute,
+                       weight_sync=weight_sync, forward_slowdown=forward_slowdown)
         out.append({"ratio": f"{f}:{b}", "forward": f, "backward": b, "step": sim.step,
                     "makespan": sim.makespan})
     return sorted(out, key=lambda r: r["step"])
@@ -285,7 +286,8 @@ class FBDParallelState(ParallelState):
     fbd_index: int = 0
     fbd_group: int = 0
     fbd_dp_rank: int = 0
-    #: this FBD group's forward ranks + its first backward rank (the source)
+    #: this FBD group's forward ranks + its first backward rank (the source);
+    #: None on the group's other backward ranks
     weight_group: dist.ProcessGroup | None = None
     weight_src: int = 0
 
@@ -345,7 +347,7 @@ def fbd_parallel_state(state: ParallelState, forward: int, backward: int,
                              "fbd_weights": weight_ranks}
     return FBDParallelState(**fields, fbd=layout, fbd_role=role, fbd_index=index,
                             fbd_group=group, fbd_dp_rank=dp_rank, weight_group=weight_group,
-                            weight_src=weight_ranks[-1])
+                            weight_src=weight_ranks[-1] if weight_ranks else -1)
 
 
 def broadcast_weights(chunks, state: FBDParallelState) -> None:
