@@ -95,8 +95,10 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
                            parallel_state=state, forward_only=not backward,
                            scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline
                                            and not cfg.parallel.sequence_parallel))
-    if backward and isinstance(run.schedule, AdaptiveSchedule):
-        run.schedule.observe(res)
+    if backward:
+        run.extra["pipeline_last"] = res  # measured action times (benchmarks, planners)
+        if isinstance(run.schedule, AdaptiveSchedule):
+            run.schedule.observe(res)
     # (each context rank's loss is the mean over its equal share of the tokens)
     return _world_mean(res.losses, state, len(micro) * state.dp_size * state.cp_size * scale,
                        device)
@@ -158,7 +160,7 @@ def _fbd_train_step(run, it: int, lr: float) -> StepResult:
     res = fbd.run_step(run.schedule, state, run.chunks, micro.__getitem__, _loss_fn(run, scale),
                        tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
                        device=device, grad_scale=scale, reseed=reseed)
-    run.extra["fbd_last"] = res
+    run.extra["pipeline_last"] = res
     grad_norm = 0.0
     if not state.is_forward:
         with tracing.scope("optimizer", "optimizer", lane=0):
