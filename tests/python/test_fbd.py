@@ -174,3 +174,19 @@ def test_bad_fbd_flags_fail_before_training(tmp_path):
         run_ranks(_train, 4, ["--forward-backward-disaggregating",
                               "--virtual-pipeline-model-parallel-size", "2"],
                   str(tmp_path / "y"))
+
+
+def test_fbd_composes_with_codecs_dropout_and_the_memory_pool(tmp_path):
+    """int8 gradients over the two backward replicas, dropout (both roles
+    draw a microbatch's masks from the same seed), the memory pool: it
+    trains, every rank agrees, and it stays near the exact run."""
+    want = _reference(tmp_path, iters=6)["losses"]
+    got = run_ranks(_train, 6, ["--forward-backward-disaggregating", "--fbd-ratio", "1:2",
+                                "--grad-compression", "int8", "--memory-pool",
+                                "--hidden-dropout", "0.1", "--train-iters", "6"],
+                    str(tmp_path / "fbd"))
+    for r in got:
+        assert r["losses"] == got[0]["losses"]
+    assert got[0]["losses"][0] == pytest.approx(want[0], abs=0.05)  # same weights, 10% dropout
+    assert got[0]["losses"][-1] < got[0]["losses"][0] - 0.3
+    _close(got[0]["losses"], want, tol=0.05)

@@ -352,11 +352,12 @@ def fbd_parallel_state(state: ParallelState, forward: int, backward: int,
 
 def broadcast_weights(chunks, state: FBDParallelState) -> None:
     """After the optimizer step: the group's first backward rank sends every
-    parameter to the group's forward ranks (one coalesced broadcast per dtype;
-    other backward ranks do nothing)."""
+    parameter and floating-point buffer to the group's forward ranks (one
+    coalesced broadcast per dtype; other backward ranks do nothing)."""
     if state.weight_group is None:
         return
     params = [p for c in chunks for p in _module(c).parameters()]
+    params += [b for c in chunks for b in _module(c).buffers() if b.is_floating_point()]
     by_dtype: dict = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
@@ -382,7 +383,8 @@ class FBDResult:
     compute_time: dict = field(default_factory=dict)  #: type -> mean seconds per action
     recv_wait_time: float = 0.0
     step_time: float = 0.0
-    stash_peak: int = 0  #: most stage inputs held at once (backward ranks)
+    #: most stage inputs held at once (receive buffers, posted at the step's start, included)
+    stash_peak: int = 0
 
 
 def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, *,

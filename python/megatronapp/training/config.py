@@ -612,10 +612,10 @@ class Config:
             if v > 1:
                 raise ValueError("--forward-backward-disaggregating runs one model chunk per "
                                  "stage; drop --virtual-pipeline-model-parallel-size")
-            if par.context_parallel_size > 1 or self.moe.expert_model_parallel_size > 1:
-                raise ValueError("--forward-backward-disaggregating does not run with context or "
-                                 "expert parallelism yet; drop --context-parallel-size / "
-                                 "--expert-model-parallel-size")
+            if par.context_parallel_size > 1 or self.moe.num_experts is not None:
+                raise ValueError("--forward-backward-disaggregating does not run with context "
+                                 "parallelism or MoE layers yet; drop --context-parallel-size / "
+                                 "--num-experts")
             program(FBDLayout(dp, f, b), pp, (f + b) * microbatches)
         except ValueError as e:
             raise ConfigError(str(e)) from None
