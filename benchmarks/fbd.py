@@ -202,8 +202,9 @@ def _table(rows, plan):
         print(f"| {r['world']} | {r['name']} | {r['step'] * 1e3:.0f} | "
               f"{ref['step'] / r['step']:.2f}x | {r['tokens_per_s_per_rank']:.0f} | {mem} | "
               f"{r['pipeline'] * 1e3:.0f} / {r['predicted_pipeline'] * 1e3:.0f} | {err:+.0%} |")
+    predicted = ", ".join(f"{p['ratio']} {p['makespan'] * 1e3:.0f} ms" for p in plan)
     print(f"\nplanner's choice for 1.5x slower forward ranks: {plan[0]['ratio']} "
-          f"(predicted {', '.join(p['ratio'] + ' ' + format(p['makespan'] * 1e3, '.0f') + ' ms' for p in plan)})")
+          f"(predicted {predicted})")
 
 
 if __name__ == "__main__":

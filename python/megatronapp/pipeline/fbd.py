@@ -43,7 +43,8 @@ import torch
 
 from .. import trace as _trace
 from .._C import Coord
-from ..parallel_state import ParallelState, new_groups, enable_shared_memory
+from ..parallel_state import ParallelState, enable_shared_memory, new_groups
+from .schedules import per_stage
 
 __all__ = ["FBDLayout", "FBDAction", "FBDProgram", "FBDParallelState", "FBDSimulation",
            "parse_ratio", "program", "simulate", "choose_ratio", "fbd_parallel_state",
@@ -195,15 +196,6 @@ class FBDSimulation:
     step: float  #: makespan + weight broadcast
 
 
-def _per_stage(x, p, name):
-    if isinstance(x, (int, float)):
-        return [float(x)] * p
-    vals = [float(v) for v in x]
-    if len(vals) != p:
-        raise ValueError(f"{name}: expected a number or {p} per-stage values, got {len(vals)}")
-    return vals
-
-
 def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, recompute=None,
              weight_sync=0.0, forward_slowdown: float = 1.0) -> FBDSimulation:
     """Event-driven simulation of one group's step (executor semantics: sends
@@ -214,9 +206,9 @@ def simulate(prog: FBDProgram, forward, backward, p2p=0.0, *, recompute=None,
     `weight_sync`: the broadcast after the optimizer step;
     `forward_slowdown` scales the forward ranks' compute (slower devices)."""
     p = prog.stages
-    fwd = [t * forward_slowdown for t in _per_stage(forward, p, "forward")]
-    rec = _per_stage(forward if recompute is None else recompute, p, "recompute")
-    bwd = _per_stage(backward, p, "backward")
+    fwd = [t * forward_slowdown for t in per_stage(forward, p, "forward")]
+    rec = per_stage(forward if recompute is None else recompute, p, "recompute")
+    bwd = per_stage(backward, p, "backward")
     arrive = {}  # (kind, mb, receiver) -> time
     clock = {key: 0.0 for key in prog.table}
     pos = dict.fromkeys(prog.table, 0)

@@ -138,7 +138,8 @@ def _read(text_or_path) -> str:
     return text_or_path
 
 
-def _per_stage(x, p: int, name: str) -> list[float]:
+def per_stage(x, p: int, name: str) -> list[float]:
+    """`x` as one float per stage: a number repeated, or a list of exactly `p`."""
     if isinstance(x, (int, float)):
         return [float(x)] * p
     vals = [float(v) for v in x]
@@ -151,10 +152,10 @@ def costs(p: int, forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.0)
     """Per-stage time model: each argument a number or one value per stage
     (p2p: per link s <-> s+1). A full backward costs backward_input +
     backward_weight."""
-    return _pl.Costs(_per_stage(forward, p, "forward"),
-                     _per_stage(backward_input, p, "backward_input"),
-                     _per_stage(backward_weight, p, "backward_weight"),
-                     _per_stage(p2p, p, "p2p"))
+    return _pl.Costs(per_stage(forward, p, "forward"),
+                     per_stage(backward_input, p, "backward_input"),
+                     per_stage(backward_weight, p, "backward_weight"),
+                     per_stage(p2p, p, "p2p"))
 
 
 @dataclass
@@ -215,9 +216,9 @@ def simulate(schedule: Schedule, forward=1.0, backward_input=1.0, backward_weigh
     per-message latency of each link s <-> s+1; with `bandwidth` (bytes/s, a
     number or per link) a message also takes message_bytes / bandwidth."""
     p = schedule.stages
-    link = _per_stage(p2p, p, "p2p")
+    link = per_stage(p2p, p, "p2p")
     if bandwidth is not None:
-        bw = _per_stage(bandwidth, p, "bandwidth")
+        bw = per_stage(bandwidth, p, "bandwidth")
         if any(b <= 0 for b in bw):
             raise ValueError(f"bandwidth must be positive, got {bandwidth}")
         link = [t + message_bytes / b for t, b in zip(link, bw, strict=True)]
