@@ -333,6 +333,18 @@ class MemoryConfig:
 
 
 #: (attribute of Config, argparse group title, dataclass), in --help order.
+@dataclass
+class VisionConfig:
+    """Vision models (examples/pretrain_vit.py); ignored by the GPT."""
+
+    img_h: int = _flag(16, "image height in pixels")
+    img_w: int = _flag(16, "image width in pixels")
+    patch_dim: int = _flag(4, "patch size (a square patch_dim x patch_dim)")
+    num_channels: int = _flag(3, "image channels")
+    num_classes: int | None = _flag(
+        None, "classification classes (default: the dataset's; the shapes set has 12)")
+
+
 SECTIONS = (
     ("parallel", "parallelism", ParallelConfig),
     ("data_parallel", "data parallelism", DataParallelConfig),
@@ -346,6 +358,7 @@ SECTIONS = (
     ("checkpoint", "checkpointing and fault tolerance", CheckpointConfig),
     ("trace", "tracing", TraceConfig),
     ("memory", "memory", MemoryConfig),
+    ("vision", "vision models", VisionConfig),
 )
 
 
@@ -376,6 +389,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     # ---- conversions ---------------------------------------------------------------
     @classmethod

@@ -244,11 +244,12 @@ class ProgressHook(Hook):
         cfg = run.config
         mc = run.model_config
         active = (f" ({mc.num_parameters(active=True) / 1e6:.2f}M active)"
-                  if mc.num_experts is not None else "")
+                  if getattr(mc, "num_experts", None) is not None else "")
+        vocab = getattr(mc, "vocab_size", None)
         print(f"[megatronapp] {run.state.describe()}; model "
-              f"{mc.num_parameters() / 1e6:.2f}M parameters{active}, vocab "
-              f"{run.model_config.vocab_size}, "
-              f"{cfg.optim.global_batch_size * cfg.model.seq_length} tokens per iteration",
+              f"{mc.num_parameters() / 1e6:.2f}M parameters{active}"
+              + (f", vocab {vocab}" if vocab else "") + ", "
+              f"{cfg.optim.global_batch_size * mc.seq_length} tokens per iteration",
               flush=True)
         if run.start_iteration:
             print(f"[megatronapp] resumed from {run.extra['resumed_from']} at iteration "

@@ -23,12 +23,13 @@ from .step import evaluate, train_step
 __all__ = ["train", "resume", "save"]
 
 
-def train(args, callbacks=None, hooks=()) -> dict:
+def train(args, callbacks=None, hooks=(), task=None) -> dict:
     """Runs the whole job on every rank; returns the summary (rank 0 also
     writes it to --output-dir). `args`: a :class:`Config` or the flat
     namespace of :func:`~megatronapp.training.config.build_parser`.
     `callbacks`: an object with ``begin(it)`` / ``end(it, record)``; `hooks`:
-    more :class:`~megatronapp.training.hooks.Hook` objects."""
+    more :class:`~megatronapp.training.hooks.Hook` objects; `task`: the model
+    family (:class:`~megatronapp.training.setup.GPTTask` by default)."""
     config = Config.from_args(args)
     install_memory_pool(config)  # before anything allocates
     init_distributed(config)
@@ -36,11 +37,11 @@ def train(args, callbacks=None, hooks=()) -> dict:
              *([CallbacksHook(callbacks)] if callbacks is not None else []), *hooks]
     error = None
     try:
-        run = build_run(config, hooks)
+        run = build_run(config, hooks, task)
         resume(run)
         _each(hooks, "on_start", run)
         optim, ckpt = config.optim, config.checkpoint
-        tokens_per_iter = optim.global_batch_size * config.model.seq_length
+        tokens_per_iter = optim.global_batch_size * run.model_config.seq_length
         history, stopped_at, saved_at, train_seconds = [], None, None, 0.0
         start = time.perf_counter()
         for it in range(run.start_iteration, optim.train_iters):
@@ -157,6 +158,7 @@ def _summary(run, history, valid, wall, train_seconds, tokens_per_iter, stopped_
                         if hasattr(c, "comm_stats"))
                  for k in ("raw_bytes", "sent_bytes")},
     }
+    summary.update(run.extra.get("summary", {}))  # what hooks and tasks add (e.g. accuracy)
     if run.config.memory.memory_pool:
         summary["memory"] = memory.stats(run.config.device_type())
     if st.pp_size > 1:

@@ -37,11 +37,12 @@ from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
 from ..pipeline.fbd import program as fbd_program
+from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import model_parallel_seed
 from .config import Config, ConfigError, Plan
 from .step import schedule_for
 
-__all__ = ["Run", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
+__all__ = ["Run", "GPTTask", "GPT", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
            "apply_memory_limit", "resolve_auto_recompute",
            "build_parallel_state", "build_model_chunks", "wrap_data_parallel", "grad_scaler",
            "build_optimizer",
@@ -70,17 +71,62 @@ class Run:
     #: sample_offset + k * global batch size)
     sample_offset: int = 0
     extra: dict = field(default_factory=dict)  #: hooks may keep their state here
+    task: object = None  #: the model family (:class:`GPTTask` unless a script passes another)
 
     def checkpoint_model_config(self) -> dict:
         """The model fields a checkpoint must agree on."""
-        return {k: getattr(self.model_config, k) for k in (
-            "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length",
-            "ffn_hidden_size", "share_embeddings_and_output_weights", "num_experts",
-            "moe_ffn_hidden_size", "moe_layer_freq")}
+        return {k: getattr(self.model_config, k, None) for k in (self.task or GPT).checkpoint_keys}
 
     @property
     def is_logger(self) -> bool:
         return self.rank == 0
+
+
+class GPTTask:
+    """What the training edge asks of a model family; this one is the GPT.
+    Another family (e.g. :class:`megatronapp.training.vision.ViTTask`)
+    provides the same methods and is passed as ``train(args, task=...)``."""
+
+    name = "gpt"
+    #: the model-config fields a checkpoint must agree on
+    checkpoint_keys = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                       "seq_length", "ffn_hidden_size", "share_embeddings_and_output_weights",
+                       "num_experts", "moe_ffn_hidden_size", "moe_layer_freq")
+
+    def check(self, config: Config, plan: Plan) -> None:
+        """Family-specific flag checks (every rank, before any collective)."""
+
+    def build_dataset(self, config: Config):
+        return build_dataset(config)
+
+    def model_config(self, config: Config, state: ParallelState, dataset):
+        return gpt_config(config, state, dataset.vocab_size)
+
+    def build_chunks(self, config: Config, plan: Plan, state: ParallelState, cfg,
+                     device: torch.device) -> list:
+        return build_model_chunks(config, plan, state, cfg, device)
+
+    def activation_shape(self, config: Config, state: ParallelState, cfg) -> tuple:
+        """Of the tensors between pipeline stages: [s, b, h]."""
+        seq = cfg.seq_length // state.cp_size  # each context rank holds its zigzag chunks
+        seq = seq // state.tp_size if cfg.sequence_parallel else seq
+        return (seq, config.optim.micro_batch_size, cfg.hidden_size)
+
+    def loss_fn(self, run, scale: float = 1.0):
+        """``loss_fn(output, target)`` on the last stage: a scalar (times `scale`)."""
+        state, device = run.state, run.device
+
+        def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
+            # The cross-entropy runs in fp32 whatever the model's precision (as
+            # Megatron without --fp16-lm-cross-entropy).
+            loss = vocab_parallel_cross_entropy(
+                logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
+                group=state.tensor_group).mean()
+            return loss * scale if scale != 1.0 else loss
+        return loss_fn
+
+
+GPT = GPTTask()
 
 
 def init_distributed(config: Config) -> None:
@@ -242,16 +288,17 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
 
 
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
-                       device: torch.device) -> list:
+                       device: torch.device, model_class=GPTModel) -> list:
     """This rank's model chunks: chunk c is virtual stage ``c * pp + pp_rank``
     with the layers the plan gives it, in the --bf16/--fp16 dtype (weights are
-    drawn in fp32 and rounded, so every precision starts from the same model)."""
+    drawn in fp32 and rounded, so every precision starts from the same model).
+    `model_class` takes the same stage arguments as GPTModel (ViTModel does)."""
     layout, pp = plan.layer_layout, state.pp_size
     offsets = [sum(layout[:k]) for k in range(len(layout))]
     chunks = []
     for c in range(plan.vpp):
         vs = c * pp + state.pp_rank
-        chunks.append(GPTModel(cfg, parallel_state=state, pre_process=vs == 0,
+        chunks.append(model_class(cfg, parallel_state=state, pre_process=vs == 0,
                                post_process=vs == pp * plan.vpp - 1,
                                layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
                                seed=config.optim.seed).to(device, config.precision.dtype()))
@@ -317,12 +364,17 @@ def build_dataset(config: Config):
                        tokenizer=tokenizer)
 
 
-def build_run(config: Config, hooks=()) -> Run:
+def build_run(config: Config, hooks=(), task=None) -> Run:
     """Process group, checks, grid, data, model, DDP, optimizer, schedule (the
     memory pool, if wanted, is installed before: :func:`install_memory_pool`).
     `hooks` see the grid (``on_setup``) and the bare model chunks (``on_model``)."""
+    task = task or GPT
     init_distributed(config)
     plan = check_config(config)
+    try:
+        task.check(config, plan)
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(str(e)) from None
     state = build_parallel_state(config, install=True)
     if config.parallel.forward_backward_disaggregating:  # the role split of the dp ranks
         state = fbd_parallel_state(state, *parse_ratio(config.parallel.fbd_ratio))
@@ -331,9 +383,9 @@ def build_run(config: Config, hooks=()) -> Run:
     for h in hooks:
         h.on_setup(config, state, rank, world, device)
     torch.manual_seed(config.optim.seed)  # same on every rank: the master weights agree
-    dataset = build_dataset(config)
-    cfg = gpt_config(config, state, dataset.vocab_size)
-    modules = build_model_chunks(config, plan, state, cfg, device)
+    dataset = task.build_dataset(config)
+    cfg = task.model_config(config, state, dataset)
+    modules = task.build_chunks(config, plan, state, cfg, device)
     # Dropout: the default generator alike over the tensor group, the tracked
     # tensor-parallel state per tensor rank, both per stage (Megatron's
     # seed + 100 x pipeline rank). After the model: its weights do not move.
@@ -349,9 +401,6 @@ def build_run(config: Config, hooks=()) -> Run:
     else:
         chunks = wrap_data_parallel(config, modules, state)
         optimizer = build_optimizer(config, chunks, state)
-    m = config.model
-    seq = m.seq_length // state.cp_size  # each context rank holds its zigzag chunks
-    seq = seq // state.tp_size if cfg.sequence_parallel else seq
     if config.parallel.forward_backward_disaggregating:
         f, b = parse_ratio(config.parallel.fbd_ratio)
         schedule = fbd_program(state.fbd, state.pp_size, (f + b) * plan.microbatches)
@@ -360,4 +409,4 @@ def build_run(config: Config, hooks=()) -> Run:
     return Run(config=config, plan=plan, rank=rank, world=world,
                state=state, device=device, dataset=dataset, model_config=cfg, chunks=chunks,
                optimizer=optimizer, schedule=schedule,
-               activation_shape=(seq, config.optim.micro_batch_size, m.hidden_size))
+               activation_shape=task.activation_shape(config, state, cfg), task=task)

@@ -21,7 +21,6 @@ import torch
 from .. import trace as tracing
 from ..context_parallel import zigzag_split
 from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule
-from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import model_parallel_seed
 from .grads import finish_gradients
 
@@ -62,7 +61,7 @@ def _moe_layers(run) -> list:
     return [m for c in run.chunks for m in c.modules() if getattr(m, "is_moe_layer", False)]
 
 
-def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
+def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) -> float:
     """Runs one global batch through this rank's part of the schedule; returns
     the mean loss over the global batch (the same on every rank)."""
     cfg, state = run.config, run.state
@@ -85,7 +84,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
     scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
     for layer in _moe_layers(run):  # the routers' aux losses: scaled as the main loss
         layer.aux_loss_scale = scale / len(micro)
-    loss_fn = _loss_fn(run, scale)
+    loss_fn = _loss_fn(run, scale) if metric is None else metric
     schedule = current_schedule(run.schedule)
     if isinstance(schedule, fbd.FBDProgram):  # evaluation: the backward pipelines' forward
         schedule = make_schedule("1f1b", state.pp_size, len(micro))
@@ -105,16 +104,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool) -> float:
 
 
 def _loss_fn(run, scale: float):
-    state, device = run.state, run.device
-
-    def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
-        # The cross-entropy runs in fp32 whatever the model's precision (as
-        # Megatron without --fp16-lm-cross-entropy).
-        loss = vocab_parallel_cross_entropy(
-            logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
-            group=state.tensor_group).mean()
-        return loss * scale if scale != 1.0 else loss
-    return loss_fn
+    return run.task.loss_fn(run, scale)
 
 
 def _world_mean(losses, state, divisor: float, device, extra: float | None = None):
@@ -193,16 +183,18 @@ def train_step(run, it: int) -> StepResult:
     return StepResult(loss, grad_norm, lr)
 
 
-def evaluate(run) -> list:
+def evaluate(run, metric=None) -> list:
     """Validation loss of each of the ``--eval-iters`` validation batches (none
-    when ``--split`` gives the validation split no documents)."""
+    when ``--split`` gives the validation split no documents). `metric`
+    (``metric(output, target) -> scalar`` on the last stage, e.g. accuracy)
+    replaces the loss; its mean over each global batch is returned."""
     if not run.dataset.has_split("valid"):
         return []
     for c in run.chunks:
         c.eval()
     try:
         with torch.no_grad():
-            return [_global_batch_loss(run, "valid", i, backward=False)
+            return [_global_batch_loss(run, "valid", i, backward=False, metric=metric)
                     for i in range(run.config.optim.eval_iters)]
     finally:
         for c in run.chunks:
