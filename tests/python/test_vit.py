@@ -201,7 +201,6 @@ def test_vit_trains_the_same_under_every_layout(tmp_path, vit_tp1, world, extra)
             assert abs(g - w) < 1e-5, f"step {i + 1}: {g} vs TP1 {w}"
         assert abs(r["valid"] - vit_tp1["valid"]) < 1e-5
         assert r["acc"] == pytest.approx(vit_tp1["acc"], abs=1e-6)
-    assert vit_tp1["losses"][-1] < vit_tp1["losses"][0]
 
 
 def test_vit_resume_is_bit_identical(tmp_path, vit_tp1):
@@ -215,3 +214,14 @@ def test_vit_resume_is_bit_identical(tmp_path, vit_tp1):
     # run's iterations 4-6 are compared bit for bit)
     assert first == whole[:2]
     assert second == whole[3:]
+
+
+def test_vit_learns_the_shapes(tmp_path):
+    """300 steps on one rank: far above chance (1/12) on unseen images (the
+    full run, >= 90% on 4 ranks, is in benchmarks/RESULTS.md)."""
+    r = run_ranks(_train_vit, 1, ["--hidden-size", "128", "--num-layers", "4",
+                                  "--micro-batch-size", "32", "--global-batch-size", "32",
+                                  "--lr", "1e-3", "--lr-warmup-iters", "20", "--train-iters",
+                                  "300", "--eval-iters", "8"], str(tmp_path), timeout=400)[0]
+    assert r["acc"] > 0.5, r
+    assert r["losses"][-1] < r["losses"][0] - 1.0
