@@ -314,11 +314,8 @@ def fbd_parallel_state(state: ParallelState, forward: int, backward: int,
     rank = state.rank
     role, index, group = layout.role(state.grid.coord(rank).dp)
     dp_lists = state.grid.groups(["dp"])  # ordered by data-parallel coordinate
-    by_role = {FORWARD: [], BACKWARD: []}
     weights = []
     for ranks in dp_lists:
-        for d, r in enumerate(ranks):
-            by_role[layout.role(d)[0]].append((ranks, r))
         for g in range(layout.groups):
             base = g * layout.group_size
             weights.append(ranks[base:base + forward] + [ranks[base + forward]])
@@ -424,13 +421,16 @@ def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, 
         times.setdefault(name, []).append(time.perf_counter() - t0)
         return out
 
+    # a forward rank's output of microbatch j is freed after its last send
+    last_send = {a.microbatch: i for i, a in enumerate(acts)
+                 if a.type in ("SEND_INPUT", "SEND_ACT")}
     sync = chunk if hasattr(chunk, "no_sync") else None
     backwards_left = sum(a.type == "B" for a in acts)
     stash = {}
     with contextlib.ExitStack() as stack:
         if sync is not None:
             stack.enter_context(sync.deferred_grad_sync())
-        for a in acts:
+        for i, a in enumerate(acts):
             j = a.microbatch
             if a.type == "RECV_ACT" or a.type == "RECV_INPUT":
                 stash[j] = wait(a.type[5:], j)
@@ -472,7 +472,7 @@ def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, 
                     stash[("dx", j)] = x.grad
             elif a.type == "SEND_GRAD":
                 send("GRAD", j, stash.pop(("dx", j)), a.peer)
-            if a.type in ("SEND_INPUT", "SEND_ACT") and not _needs_more(acts, a):
+            if i == last_send.get(j):  # the output has gone everywhere it goes
                 stash.pop(j, None)
         for _, work in sends:
             work.wait()
@@ -481,9 +481,3 @@ def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, 
     res.compute_time = {k: sum(v) / len(v) for k, v in times.items()}
     res.step_time = time.perf_counter() - t_step
     return res
-
-
-def _needs_more(acts, a) -> bool:
-    """Whether a later send of the same microbatch still needs its output."""
-    i = acts.index(a)
-    return any(b.microbatch == a.microbatch and b.type.startswith("SEND_") for b in acts[i + 1:])

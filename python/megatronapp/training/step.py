@@ -84,7 +84,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
     scale = getattr(run.optimizer, "loss_scale", 1.0) if backward else 1.0
     for layer in _moe_layers(run):  # the routers' aux losses: scaled as the main loss
         layer.aux_loss_scale = scale / len(micro)
-    loss_fn = _loss_fn(run, scale) if metric is None else metric
+    loss_fn = run.task.loss_fn(run, scale) if metric is None else metric
     schedule = current_schedule(run.schedule)
     if isinstance(schedule, fbd.FBDProgram):  # evaluation: the backward pipelines' forward
         schedule = make_schedule("1f1b", state.pp_size, len(micro))
@@ -101,10 +101,6 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
     # (each context rank's loss is the mean over its equal share of the tokens)
     return _world_mean(res.losses, state, len(micro) * state.dp_size * state.cp_size * scale,
                        device)
-
-
-def _loss_fn(run, scale: float):
-    return run.task.loss_fn(run, scale)
 
 
 def _world_mean(losses, state, divisor: float, device, extra: float | None = None):
@@ -147,7 +143,8 @@ def _fbd_train_step(run, it: int, lr: float) -> StepResult:
                                 + 7919 * (it * len(micro) + j + 1), state, device.type)
     if not state.is_forward:
         run.optimizer.zero_grad(set_to_none=True)
-    res = fbd.run_step(run.schedule, state, run.chunks, micro.__getitem__, _loss_fn(run, scale),
+    res = fbd.run_step(run.schedule, state, run.chunks, micro.__getitem__,
+                       run.task.loss_fn(run, scale),
                        tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
                        device=device, grad_scale=scale, reseed=reseed)
     run.extra["pipeline_last"] = res
