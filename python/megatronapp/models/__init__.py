@@ -2,5 +2,6 @@
 
 from .gpt import GPTConfig, GPTModel
 from .vit import ViTConfig, ViTModel
+from .vlm import VLM, VLMConfig
 
-__all__ = ["GPTConfig", "GPTModel", "ViTConfig", "ViTModel"]
+__all__ = ["GPTConfig", "GPTModel", "ViTConfig", "ViTModel", "VLM", "VLMConfig"]

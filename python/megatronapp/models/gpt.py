@@ -405,21 +405,26 @@ class GPTModel(nn.Module):
                         sequence_parallel=cfg.sequence_parallel,
                         init_method=_normal(cfg.init_method_std), parallel_state=state)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | None, labels: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None):
+        """`decoder_input` (first stage only; Megatron-Core's argument): the
+        token embeddings [b, s, h] to use instead of embedding ``x`` (a
+        multimodal model places image embeddings among them); the position
+        embeddings are added to it."""
         if self.pre_process:
-            input_ids = x
-            b, s = input_ids.shape
+            tokens = self.word_embeddings(x) if decoder_input is None else decoder_input
+            b, s = tokens.shape[:2]
             if s * self.cp_size > self.config.seq_length:
                 raise ValueError(
                     f"sequence length {s * self.cp_size} exceeds the model's seq_length "
                     f"{self.config.seq_length}")
             if self.cp_size > 1:  # this rank's zigzag chunks of the positions
                 from ..context_parallel import zigzag_split
-                pos = zigzag_split(torch.arange(s * self.cp_size, device=input_ids.device),
+                pos = zigzag_split(torch.arange(s * self.cp_size, device=tokens.device),
                                    self.cp_size, self.cp_rank, 0)
             else:
-                pos = torch.arange(s, device=input_ids.device)
-            x = self.word_embeddings(input_ids) + self.position_embeddings(pos)  # [b, s, h]
+                pos = torch.arange(s, device=tokens.device)
+            x = tokens + self.position_embeddings(pos)  # [b, s, h]
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
             if self.config.sequence_parallel:
                 x = mappings.scatter_to_sequence_parallel_region(x, self.group)

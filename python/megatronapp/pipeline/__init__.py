@@ -13,9 +13,9 @@ See docs/pipeline.md.
 
 from . import fbd
 from .adaptive import AdaptiveSchedule, current_schedule, make_schedule
-from .executor import GradSync, PipelineResult, forward_backward
+from .executor import GradSync, PipelineResult, forward_backward, to_device
 from .schedules import SCHEDULES, Action, Schedule, SimulationResult, costs, simulate
 
 __all__ = ["Action", "fbd", "AdaptiveSchedule", "GradSync", "PipelineResult", "SCHEDULES", "Schedule",
            "SimulationResult", "costs", "current_schedule", "forward_backward", "make_schedule",
-           "simulate"]
+           "simulate", "to_device"]

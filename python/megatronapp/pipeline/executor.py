@@ -221,6 +221,14 @@ class _DelayedSend:
         return self._work.wait()
 
 
+def to_device(inputs, device):
+    """A microbatch's first-stage inputs on `device`: a tensor, or a tuple of
+    tensors (a multimodal model's images and tokens)."""
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(to_device(t, device) for t in inputs)
+    return inputs.to(device)
+
+
 class _Batches:
     """The microbatches drawn so far, by index (drawn on first use)."""
 

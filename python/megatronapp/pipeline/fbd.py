@@ -44,6 +44,7 @@ import torch
 from .. import trace as _trace
 from .._C import Coord
 from ..parallel_state import ParallelState, enable_shared_memory, new_groups
+from .executor import to_device
 from .schedules import per_stage
 
 __all__ = ["FBDLayout", "FBDAction", "FBDProgram", "FBDParallelState", "FBDSimulation",
@@ -436,7 +437,7 @@ def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, 
                 stash[j] = wait(a.type[5:], j)
                 res.stash_peak = max(res.stash_peak, len(stash) + len(recvs))
             elif a.type == "F":
-                x = batch(j)[0].to(device) if s == 0 else stash.pop(j)
+                x = to_device(batch(j)[0], device) if s == 0 else stash.pop(j)
                 if reseed is not None:
                     reseed(j)
                 with torch.no_grad():
@@ -446,7 +447,7 @@ def run_step(prog: FBDProgram, state: FBDParallelState, chunks, batch, loss_fn, 
             elif a.type == "SEND_ACT":
                 send("ACT", j, stash[j], a.peer)
             elif a.type == "R":
-                x = batch(j)[0].to(device) if s == 0 else stash.pop(j).requires_grad_(True)
+                x = to_device(batch(j)[0], device) if s == 0 else stash.pop(j).requires_grad_(True)
                 if reseed is not None:
                     reseed(j)
 

@@ -335,7 +335,7 @@ class MemoryConfig:
 #: (attribute of Config, argparse group title, dataclass), in --help order.
 @dataclass
 class VisionConfig:
-    """Vision models (examples/pretrain_vit.py); ignored by the GPT."""
+    """Vision models (examples/pretrain_vit.py, examples/pretrain_vlm.py); ignored by the GPT."""
 
     img_h: int = _flag(16, "image height in pixels")
     img_w: int = _flag(16, "image width in pixels")
@@ -343,6 +343,10 @@ class VisionConfig:
     num_channels: int = _flag(3, "image channels")
     num_classes: int | None = _flag(
         None, "classification classes (default: the dataset's; the shapes set has 12)")
+    encoder_num_layers: int | None = _flag(
+        None, "VLM: transformer layers of the vision encoder (default: --num-layers)")
+    disable_vision_class_token: bool = _flag(
+        False, "VLM: drop the encoder's class token (the image is the patch embeddings only)")
 
 
 SECTIONS = (

@@ -20,7 +20,7 @@ import torch
 
 from .. import trace as tracing
 from ..context_parallel import zigzag_split
-from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule
+from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule, to_device
 from ..tensor_parallel.random import model_parallel_seed
 from .grads import finish_gradients
 
@@ -89,7 +89,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
     if isinstance(schedule, fbd.FBDProgram):  # evaluation: the backward pipelines' forward
         schedule = make_schedule("1f1b", state.pp_size, len(micro))
     res = forward_backward(schedule, run.chunks,
-                           iter([(x.to(device), y) for x, y in micro]), loss_fn,
+                           iter([(to_device(x, device), y) for x, y in micro]), loss_fn,
                            tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
                            parallel_state=state, forward_only=not backward,
                            scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline

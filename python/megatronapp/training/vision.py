@@ -1,4 +1,5 @@
-"""Vision models on the training edge: the ViT image classifier as a task.
+"""Vision models on the training edge: the ViT image classifier and the
+LLaVA-style VLM as tasks.
 
     from megatronapp.training import train
     from megatronapp.training.vision import ViTTask, AccuracyHook
@@ -11,20 +12,48 @@ GPT's machinery unchanged: the task only says how to build the data, the
 model and the loss. Data: :class:`megatronapp.data.shapes.ShapesData`
 (generated coloured shapes, 12 classes), sized by Megatron's ``--img-h``,
 ``--img-w``, ``--patch-dim`` and ``--num-channels``.
+
+    summary = train(args, task=VLMTask())            # captions of two shapes
+    baseline = train(args, task=VLMTask(text_only=True))
+
+The VLM (:class:`megatronapp.models.VLM`) learns the generated captions of
+:class:`megatronapp.data.shapes.CaptionData`; ``--seq-length`` is its
+decoder's combined sequence (image tokens + text), ``--encoder-num-layers``
+and ``--disable-vision-class-token`` shape the encoder (Megatron's flags).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn.functional as F
 
-from ..data.shapes import ShapesData
-from ..models import ViTConfig, ViTModel
+from ..data.shapes import IMAGE_ID, CaptionData, ShapesData
+from ..models import GPTModel, ViTConfig, ViTModel
+from ..models.vlm import VLM, VLMConfig, masked_token_loss
 from .config import ConfigError
 from .hooks import Hook
-from .setup import GPTTask, build_model_chunks
+from .setup import GPTTask, build_model_chunks, gpt_config
 from .step import evaluate
 
-__all__ = ["ViTTask", "AccuracyHook", "accuracy"]
+__all__ = ["ViTTask", "VLMTask", "AccuracyHook", "accuracy"]
+
+
+def _check_images(config) -> None:
+    """What every vision task needs of the image flags and the layout."""
+    v, par = config.vision, config.parallel
+    if v.img_h != v.img_w:
+        raise ConfigError(f"the shapes images are square: --img-h {v.img_h} and --img-w "
+                          f"{v.img_w} must be equal")
+    if v.img_h % v.patch_dim:
+        raise ConfigError(f"--img-h {v.img_h} is not divisible by --patch-dim {v.patch_dim}")
+    if par.context_parallel_size > 1:
+        raise ConfigError("the vision models do not run with --context-parallel-size > 1")
+    if config.moe.num_experts is not None:
+        raise ConfigError("--num-experts: the vision models have no MoE layers")
+    if config.memory.memory_limit_gb is not None:
+        raise ConfigError("--memory-limit-gb: the memory planner models the GPT only; "
+                          "leave it out for the vision models")
 
 
 class ViTTask(GPTTask):
@@ -35,16 +64,8 @@ class ViTTask(GPTTask):
                        "img_h", "img_w", "patch_dim", "num_channels", "num_classes")
 
     def check(self, config, plan) -> None:
+        _check_images(config)
         v, par = config.vision, config.parallel
-        if v.img_h != v.img_w:
-            raise ConfigError(f"the shapes images are square: --img-h {v.img_h} and --img-w "
-                              f"{v.img_w} must be equal")
-        if v.img_h % v.patch_dim:
-            raise ConfigError(f"--img-h {v.img_h} is not divisible by --patch-dim {v.patch_dim}")
-        if par.context_parallel_size > 1:
-            raise ConfigError("the ViT does not run with --context-parallel-size > 1")
-        if config.moe.num_experts is not None:
-            raise ConfigError("--num-experts: the ViT has no MoE layers")
         seq = (v.img_h // v.patch_dim) * (v.img_w // v.patch_dim) + 1
         tp = par.tensor_model_parallel_size
         if par.sequence_parallel and tp > 1 and seq % tp:
@@ -75,6 +96,70 @@ class ViTTask(GPTTask):
 
         def loss_fn(logits, target):  # logits [b, classes] on the last stage
             loss = F.cross_entropy(logits.float(), target.to(device))
+            return loss * scale if scale != 1.0 else loss
+        return loss_fn
+
+
+class VLMTask(GPTTask):
+    """The LLaVA-style VLM on generated captions; with ``text_only`` the
+    same decoder (a GPT) on the same caption text without the image."""
+
+    checkpoint_keys = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                       "seq_length", "ffn_hidden_size", "encoder_num_layers", "img_h", "img_w",
+                       "patch_dim", "num_image_tokens")
+
+    def __init__(self, text_only: bool = False):
+        self.text_only = text_only
+        self.name = "vlm-text-only" if text_only else "vlm"
+
+    @staticmethod
+    def image_tokens(config) -> int:
+        v = config.vision
+        return (v.img_h // v.patch_dim) ** 2 + (0 if v.disable_vision_class_token else 1)
+
+    def text_length(self, config) -> int:
+        return config.model.seq_length - self.image_tokens(config) + 1
+
+    def check(self, config, plan) -> None:
+        _check_images(config)
+        p, t = self.image_tokens(config), self.text_length(config)
+        need = 10  # the image token, up to 8 words, <eos>
+        if t < need:
+            raise ConfigError(f"--seq-length {config.model.seq_length} is the decoder's sequence: "
+                              f"{p} image tokens and {t} text tokens; captions need {need}: use "
+                              f"--seq-length >= {p + need - 1}")
+        if config.vision.encoder_num_layers is not None and config.vision.encoder_num_layers < 1:
+            raise ConfigError(f"--encoder-num-layers must be >= 1, got "
+                              f"{config.vision.encoder_num_layers}")
+
+    def build_dataset(self, config):
+        return CaptionData(img_size=config.vision.img_h, num_image_tokens=self.image_tokens(config),
+                           text_length=self.text_length(config), text_only=self.text_only)
+
+    def model_config(self, config, state, dataset):
+        language = gpt_config(config, state, dataset.vocab_size)
+        if self.text_only:  # the text rows alone
+            return dataclasses.replace(language, seq_length=self.text_length(config))
+        m, v, rc = config.model, config.vision, config.recompute
+        vision = ViTConfig(
+            hidden_size=m.hidden_size, num_layers=v.encoder_num_layers or m.num_layers,
+            num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+            img_h=v.img_h, img_w=v.img_w, patch_dim=v.patch_dim, num_channels=v.num_channels,
+            hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+            attention_backend=m.attention_backend, recompute_granularity=rc.granularity(),
+            recompute_method=rc.recompute_method, recompute_num_layers=rc.recompute_num_layers)
+        return VLMConfig(language=language, vision=vision, image_token_id=IMAGE_ID,
+                         drop_vision_class_token=v.disable_vision_class_token)
+
+    def build_chunks(self, config, plan, state, cfg, device) -> list:
+        return build_model_chunks(config, plan, state, cfg, device,
+                                  model_class=GPTModel if self.text_only else VLM)
+
+    def loss_fn(self, run, scale: float = 1.0):
+        group = run.state.tensor_group
+
+        def loss_fn(logits, target):  # [b, S, V/tp]: the mean over text targets
+            loss = masked_token_loss(logits, target, group)
             return loss * scale if scale != 1.0 else loss
         return loss_fn
 
