@@ -208,12 +208,14 @@ def combined_labels(tokens: torch.Tensor, image_token_id: int, num_image_tokens:
 
 def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, group,
                       reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of vocabulary-sharded logits [b, S, V/tp] (fp32) against
+    """Cross-entropy of vocabulary-sharded logits [b, S, V/tp] (in fp32 at least) against
     labels [b, S], skipping ``IGNORE_INDEX``: per position [b, S] (0 where
     ignored) with ``reduction="none"``, else the mean over counted positions."""
     labels = labels.to(logits.device)
     keep = labels != IGNORE_INDEX
-    loss = vocab_parallel_cross_entropy(logits.transpose(0, 1).float(),
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    loss = vocab_parallel_cross_entropy(logits.transpose(0, 1),
                                         torch.where(keep, labels, 0).transpose(0, 1),
                                         group=group).transpose(0, 1) * keep
     if reduction == "none":
