@@ -128,7 +128,7 @@ VLM_FLAGS = ["--num-layers", "2", "--encoder-num-layers", "1", "--hidden-size", 
 def _train_vlm(rank, world, extra, out, stop_at=None):
     from megatronapp.pretrain_vlm import build_parser
     from megatronapp.training import Hook, train
-    from megatronapp.training.vision import VLMTask
+    from megatronapp.training.vision import AccuracyHook, VLMTask
 
     class StopAt(Hook):
         def should_stop(self, run, it):
@@ -141,9 +141,9 @@ def _train_vlm(rank, world, extra, out, stop_at=None):
     text_only = args.text_only
     del args.text_only
     hook = StopAt()
-    s = train(args, task=VLMTask(text_only=text_only), hooks=[hook])
+    s = train(args, task=VLMTask(text_only=text_only), hooks=[hook, AccuracyHook()])
     return {"losses": s["losses"], "valid": s["valid_loss"], "parameters": s["parameters"],
-            "parts": hook.parts}
+            "parts": hook.parts, "acc": s["valid_accuracy"]}
 
 
 def _vocab(tp: int) -> list:
@@ -181,6 +181,7 @@ def test_vlm_trains_the_same_under_every_layout(tmp_path, vlm_tp1, world, extra)
         for i, (g, w) in enumerate(zip(r["losses"], want["losses"], strict=True)):
             assert abs(g - w) < 1e-5, f"step {i + 1}: {g} vs TP1 {w}"
         assert abs(r["valid"] - want["valid"]) < 1e-5
+        assert r["acc"] == pytest.approx(want["acc"], abs=1e-6)
     if extra[0] == "--pipeline-model-parallel-size":  # the encoder is on the first stage
         assert got[0]["parts"] == ["layers", "position_embeddings", "projector", "vision",
                                    "word_embeddings"]
@@ -226,3 +227,4 @@ def test_vlm_uses_the_image(tmp_path):
                      timeout=400)[0]
     assert text["valid"] > 0.65  # the text alone cannot name the shapes
     assert vlm["valid"] < text["valid"] - 0.15, (vlm["valid"], text["valid"])
+    assert vlm["acc"] > text["acc"] + 0.05, (vlm["acc"], text["acc"])

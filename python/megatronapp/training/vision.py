@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
+
 import torch.nn.functional as F
 
 from ..data.shapes import IMAGE_ID, CaptionData, ShapesData
 from ..models import GPTModel, ViTConfig, ViTModel
-from ..models.vlm import VLM, VLMConfig, masked_token_loss
+from ..models.vlm import IGNORE_INDEX, VLM, VLMConfig, masked_token_loss
 from .config import ConfigError
 from .hooks import Hook
 from .setup import GPTTask, build_model_chunks, gpt_config
@@ -165,14 +167,34 @@ class VLMTask(GPTTask):
 
 
 def accuracy(run):
-    """``metric(logits, target)``: the fraction of correct top-1 classes."""
+    """``metric(logits, target)``: the fraction of correct top-1 classes (the
+    ViT); for vocabulary-sharded logits with ``IGNORE_INDEX`` labels (the
+    VLM) the fraction of text targets whose logit is the largest of the
+    whole vocabulary."""
     device = run.device
-    return lambda logits, target: (logits.argmax(-1) == target.to(device)).float().mean()
+    if not isinstance(run.task, VLMTask):
+        return lambda logits, target: (logits.argmax(-1) == target.to(device)).float().mean()
+    state = run.state
+
+    def token_accuracy(logits, target):  # [b, S, V/tp], [b, S]
+        target = target.to(device)
+        keep = target != IGNORE_INDEX
+        n = logits.shape[-1]
+        local = target - state.tp_rank * n
+        mine = (local >= 0) & (local < n)
+        top = logits.max(-1).values
+        picked = logits.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * mine
+        if state.tp_size > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.tensor_group)
+            dist.all_reduce(picked, group=state.tensor_group)
+        return ((picked >= top) & keep).sum().float() / keep.sum().clamp(min=1)
+    return token_accuracy
 
 
 class AccuracyHook(Hook):
     """Validation accuracy after each evaluation and at the end
-    (``summary["valid_accuracy"]``, also printed by rank 0)."""
+    (``summary["valid_accuracy"]``, also printed by rank 0): of the classes
+    (the ViT) or of the caption tokens (the VLM, top-1 over the vocabulary)."""
 
     def on_evaluate(self, run, iteration, valid_loss):
         acc = evaluate(run, accuracy(run))
