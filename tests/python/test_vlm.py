@@ -72,6 +72,14 @@ def _placement_and_loss(rank, world):
     moved = (other - lg).abs().amax(-1)  # [b, S]
     out["row1_before"] = float(moved[1, :2].max())
     out["row1_after"] = float(moved[1, 2:].min())
+    # MegaScope sees the decoder's layers only (the encoder's are not tapped)
+    from megatronapp.scope import Scope
+
+    scope = Scope(model)
+    scope.watch("residual", reduce="none")
+    with torch.no_grad(), scope.step():
+        model((images, tokens))
+    out["scope"] = {layer: list(t.shape) for layer, t in scope.collect()["residual"].items()}
     return out
 
 
@@ -88,6 +96,7 @@ def test_image_placement_and_loss_on_text_only():
     assert r["per_token_ignored"] == 0.0
     assert abs(r["per_token_mean"] - r["ref"]) < 1e-12
     assert r["row1_before"] == 0.0 and r["row1_after"] > 1e-9
+    assert r["scope"] == {0: [11, 32], 1: [11, 32]}  # [S, h] of the decoder (sample 0)
 
 
 def _bad_inputs(rank, world):

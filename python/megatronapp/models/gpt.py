@@ -183,6 +183,7 @@ class ParallelAttention(nn.Module):
                  layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number
+        self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
         tp = state.tp_size
         self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -211,7 +212,7 @@ class ParallelAttention(nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, d]
-        scope = taps.ACTIVE
+        scope = taps.ACTIVE if self.tapped else None
         if scope is not None:
             q, k, v = (scope.tap(site, self.layer_number, t, "heads")
                        for site, t in (("query", q), ("key", k), ("value", v)))
@@ -234,7 +235,7 @@ class ParallelAttention(nn.Module):
             fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
             return fn(q, k, v, self.context_group)
         p = self.dropout_p if self.training else 0.0
-        scope = taps.ACTIVE
+        scope = taps.ACTIVE if self.tapped else None
         if scope is not None and scope.needs_probs(self.layer_number):
             return self._probed_attention(q, k, v, p, scope)
         # auto: torch's fused attention, except on CPU with dropout, where it
@@ -300,6 +301,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.dropout_p, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
         self.layer_number = layer_number
+        self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
         # GPT-2 / Megatron scaled init of the output projections.
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
@@ -319,7 +321,7 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.dropout_p, self.sequence_parallel
         x = x + activation_dropout(self.attn(self.ln1(x)), p, self.training, sharded=sp)
-        scope = taps.ACTIVE
+        scope = taps.ACTIVE if self.tapped else None
         if scope is None:
             return x + activation_dropout(self.mlp(self.ln2(x)), p, self.training, sharded=sp)
         kind, i = ("seq" if sp else "replicated"), self.layer_number

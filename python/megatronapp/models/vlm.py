@@ -131,6 +131,9 @@ class VLM(GPTModel):
             # its own seed stream: the encoder is not drawn like the decoder
             self.vision = ViTModel(config.vision, parallel_state=state,
                                    seed=(base * 7_919 + 104_729) % (2**63 - 1))
+            for m in self.vision.modules():  # a scope's layer numbers are the decoder's
+                if hasattr(m, "tapped"):
+                    m.tapped = False
             with seeded(base, config.language.num_layers + 1):
                 self.projector = MultimodalProjector(
                     config.vision.hidden_size, config.projector_ffn_hidden_size,

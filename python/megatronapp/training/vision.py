@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch.distributed as dist
-
 import torch.nn.functional as F
 
 from ..data.shapes import IMAGE_ID, CaptionData, ShapesData
