@@ -197,6 +197,14 @@ def test_vlm_trains_the_same_under_every_layout(tmp_path, vlm_tp1, world, extra)
         assert got[-1]["parts"] == ["final_layernorm", "layers", "word_embeddings"]
 
 
+def test_vlm_bf16_tracks_fp32(tmp_path, vlm_tp1):
+    """--bf16 (the images enter the encoder in bf16, fp32 main weights and
+    cross-entropy): the fp32 losses within bf16's rounding."""
+    got = run_ranks(_train_vlm, 1, _vocab(1) + ["--bf16"], str(tmp_path))[0]
+    for g, w in zip(got["losses"], vlm_tp1["losses"], strict=True):
+        assert abs(g - w) < 0.03 * w, (got["losses"], vlm_tp1["losses"])
+
+
 def test_vlm_resume_is_bit_identical(tmp_path):
     pp = ["--pipeline-model-parallel-size", "2"]
     whole = run_ranks(_train_vlm, 2, pp, str(tmp_path / "whole"))[0]["losses"]
@@ -206,6 +214,21 @@ def test_vlm_resume_is_bit_identical(tmp_path):
                        str(tmp_path / "b"))[0]["losses"]
     assert first == whole[:2]
     assert second == whole[3:]
+
+
+def test_vlm_checkpoint_reshards_across_layouts(tmp_path):
+    """Saved by PP2 (the encoder on stage 0 only), loaded by TP2 (the encoder
+    and projector split over two tensor ranks): the run continues as the
+    uninterrupted PP2 run within 1e-5."""
+    pp, tp = _vocab(1) + ["--pipeline-model-parallel-size", "2"], \
+        _vocab(2) + ["--tensor-model-parallel-size", "2"]
+    whole = run_ranks(_train_vlm, 2, pp, str(tmp_path / "whole"))[0]["losses"]
+    run_ranks(_train_vlm, 2, pp + ["--save", str(tmp_path / "ck")], str(tmp_path / "a"), 3)
+    second = run_ranks(_train_vlm, 2, tp + ["--load", str(tmp_path / "ck")],
+                       str(tmp_path / "b"))[0]["losses"]
+    assert len(second) == 3
+    for g, w in zip(second, whole[3:], strict=True):
+        assert abs(g - w) < 1e-5, (second, whole[3:])
 
 
 def _config_error(rank, world, extra, out):

@@ -147,7 +147,8 @@ class ViTModel(nn.Module):
             if x.dim() != 4 or x.shape[1:] != (cfg.num_channels, cfg.img_h, cfg.img_w):
                 raise ValueError(f"expected images [b, {cfg.num_channels}, {cfg.img_h}, "
                                  f"{cfg.img_w}], got {list(x.shape)}")
-            x = self.conv1(x).flatten(2).transpose(1, 2)  # [b, patches, h]
+            x = self.conv1(x.to(self.conv1.weight.dtype))  # images in the model's precision
+            x = x.flatten(2).transpose(1, 2)  # [b, patches, h]
             x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
             x = self.ln_pre(x + self.position_embeddings.weight)
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
