@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _build_parser(__doc__.splitlines()[0])
     parser.add_argument("--text-only", action="store_true",
                         help="the baseline: the same decoder on the caption text, no image")
-    # 32x32 images in 4x4 patches: 64 patches + the class token, then up to 11 text tokens
-    parser.set_defaults(output_dir="runs/vlm", img_h=32, img_w=32, seq_length=76)
+    # 32x32 images in 4x4 patches: 64 patches + the class token, then 10 text tokens
+    parser.set_defaults(output_dir="runs/vlm", img_h=32, img_w=32, seq_length=74)
     return parser
 
 

@@ -117,8 +117,9 @@ def test_no_import_cycles():
     graph = _graph()
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-    # 13: a second model family (models -> vit -> gpt's shared layers) added one level
-    assert depth(graph) <= 13, f"import graph depth {depth(graph)}"
+    # 13: a second model family (models -> vit -> gpt's shared layers) added one level;
+    # 14: a model composed of two others (models -> vlm -> vit -> gpt) one more
+    assert depth(graph) <= 14, f"import graph depth {depth(graph)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
