@@ -128,3 +128,28 @@ def assert_variants_identical(results, names):
                 rank, name, "gradients differ")
             assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)), (
                 rank, name, "weights differ")
+
+
+def error_messages(*makers, exc=ValueError) -> list:
+    """The message of the `exc` each callable raises (failing if one does not)."""
+    msgs = []
+    for make in makers:
+        try:
+            make()
+        except exc as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"{make} raised no {exc.__name__}")
+    return msgs
+
+
+def assert_same_training(got: list, want: dict, steps: int, tol: float = 1e-5) -> None:
+    """Every rank's summary of a layout (``losses``, ``valid``, ``acc``)
+    against one rank's: each step's loss and the validation loss within
+    `tol`, the accuracy to 1e-6."""
+    for r in got:
+        assert len(r["losses"]) == steps
+        for i, (g, w) in enumerate(zip(r["losses"], want["losses"], strict=True)):
+            assert abs(g - w) < tol, f"step {i + 1}: {g} vs one rank's {w}"
+        assert abs(r["valid"] - want["valid"]) < tol
+        assert abs(r["acc"] - want["acc"]) <= 1e-6, (r["acc"], want["acc"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import torch
-from dist_harness import run_ranks
+from dist_harness import assert_same_training, error_messages, run_ranks
 
 SMALL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, img_h=24, img_w=24,
              patch_dim=8, num_classes=10)
@@ -94,16 +94,11 @@ def _errors(rank, world):
     from megatronapp.models import ViTConfig, ViTModel
 
     state = megatronapp.initialize_model_parallel(tensor_model_parallel_size=world)
-    msgs = []
-    for make in (lambda: ViTConfig(img_h=30, patch_dim=14),
-                 lambda: ViTModel(ViTConfig(**{**SMALL, "img_h": 16, "img_w": 24},
-                                            sequence_parallel=True), parallel_state=state),
-                 lambda: ViTModel(ViTConfig(**SMALL), parallel_state=state)(
-                     torch.randn(2, 3, 16, 16))):
-        with pytest.raises(ValueError) as e:
-            make()
-        msgs.append(str(e.value))
-    return msgs
+    return error_messages(
+        lambda: ViTConfig(img_h=30, patch_dim=14),
+        lambda: ViTModel(ViTConfig(**{**SMALL, "img_h": 16, "img_w": 24},
+                                   sequence_parallel=True), parallel_state=state),
+        lambda: ViTModel(ViTConfig(**SMALL), parallel_state=state)(torch.randn(2, 3, 16, 16)))
 
 
 def test_bad_shapes_get_clear_errors():
@@ -195,12 +190,7 @@ def vit_tp1(tmp_path_factory):
 def test_vit_trains_the_same_under_every_layout(tmp_path, vit_tp1, world, extra):
     got = run_ranks(_train_vit, world, extra, str(tmp_path))
     assert got[0]["parameters"] == vit_tp1["parameters"]
-    for r in got:
-        assert len(r["losses"]) == 6
-        for i, (g, w) in enumerate(zip(r["losses"], vit_tp1["losses"], strict=True)):
-            assert abs(g - w) < 1e-5, f"step {i + 1}: {g} vs TP1 {w}"
-        assert abs(r["valid"] - vit_tp1["valid"]) < 1e-5
-        assert r["acc"] == pytest.approx(vit_tp1["acc"], abs=1e-6)
+    assert_same_training(got, vit_tp1, steps=6)
 
 
 def test_vit_resume_is_bit_identical(tmp_path, vit_tp1):

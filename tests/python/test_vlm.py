@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import torch
-from dist_harness import run_ranks
+from dist_harness import assert_same_training, error_messages, run_ranks
 
 
 def _small_vlm(state, seed=5):
@@ -105,17 +105,13 @@ def _bad_inputs(rank, world):
 
     state = megatronapp.initialize_model_parallel()
     cfg, model = _small_vlm(state)
-    msgs = []
     images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    for make in (lambda: model((images, torch.tensor([[1, 4, 5, 6, 7, 2, 0]] * 2))),
-                 lambda: model((images, torch.tensor([[3, 4, 5, 2]] * 2))),
-                 lambda: VLMConfig(language=GPTConfig(vocab_size=16, hidden_size=32, num_layers=1,
-                                                      num_attention_heads=4, seq_length=4),
-                                   vision=cfg.vision)):
-        with pytest.raises(ValueError) as e:
-            make()
-        msgs.append(str(e.value))
-    return msgs
+    return error_messages(
+        lambda: model((images, torch.tensor([[1, 4, 5, 6, 7, 2, 0]] * 2))),
+        lambda: model((images, torch.tensor([[3, 4, 5, 2]] * 2))),
+        lambda: VLMConfig(language=GPTConfig(vocab_size=16, hidden_size=32, num_layers=1,
+                                             num_attention_heads=4, seq_length=4),
+                          vision=cfg.vision))
 
 
 def test_bad_inputs_get_clear_errors():
@@ -185,12 +181,7 @@ def test_vlm_trains_the_same_under_every_layout(tmp_path, vlm_tp1, world, extra)
     tp = 2 if "--tensor-model-parallel-size" in extra else 1
     got = run_ranks(_train_vlm, world, _vocab(tp) + extra, str(tmp_path))
     assert got[0]["parameters"] == want["parameters"]
-    for r in got:
-        assert len(r["losses"]) == 6
-        for i, (g, w) in enumerate(zip(r["losses"], want["losses"], strict=True)):
-            assert abs(g - w) < 1e-5, f"step {i + 1}: {g} vs TP1 {w}"
-        assert abs(r["valid"] - want["valid"]) < 1e-5
-        assert r["acc"] == pytest.approx(want["acc"], abs=1e-6)
+    assert_same_training(got, want, steps=6)
     if extra[0] == "--pipeline-model-parallel-size":  # the encoder is on the first stage
         assert got[0]["parts"] == ["layers", "position_embeddings", "projector", "vision",
                                    "word_embeddings"]
