@@ -29,7 +29,7 @@ import dataclasses
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.shapes import IMAGE_ID, CaptionData, ShapesData
+from ..data.shapes import IMAGE_ID, MAX_CAPTION_TOKENS, CaptionData, ShapesData
 from ..models import GPTModel, ViTConfig, ViTModel
 from ..models.vlm import IGNORE_INDEX, VLM, VLMConfig, masked_token_loss
 from .config import ConfigError
@@ -124,7 +124,7 @@ class VLMTask(GPTTask):
     def check(self, config, plan) -> None:
         _check_images(config)
         p, t = self.image_tokens(config), self.text_length(config)
-        need = 10  # the image token, up to 8 words, <eos>
+        need = MAX_CAPTION_TOKENS + 1  # the image token, up to 8 words, <eos>
         if t < need:
             raise ConfigError(f"--seq-length {config.model.seq_length} is the decoder's sequence: "
                               f"{p} image tokens and {t} text tokens; captions need {need}: use "
