@@ -16,8 +16,9 @@ so its loss has a floor at the captions' entropy per text token (computed
 exactly here: (2 ln 3 + 2 ln 4 + ln 4) / 9 nats for the 9 targets of a
 "left of"/"right of" caption, the 8 of an "above"/"below" one weighted in).
 Reported per row: validation caption loss and token accuracy (top-1 over
-the vocabulary, text targets only), final training loss, wall time; and the
-VLM / text-only loss ratio.
+the vocabulary, text targets only), the share of greedy captions of 128
+unseen images that are right (either shape first), final training loss,
+wall time; and the VLM / text-only loss ratio.
 
     .venv/bin/python benchmarks/vlm.py                 # ~15 min on 2 cores
     .venv/bin/python benchmarks/vlm.py --iters 200     # a quick look
@@ -41,14 +42,16 @@ from dist_harness import run_ranks  # noqa: E402
 def _job(rank, world, flags, out):
     from megatronapp.pretrain_vlm import build_parser
     from megatronapp.training import train
-    from megatronapp.training.vision import AccuracyHook, VLMTask
+    from megatronapp.training.vision import AccuracyHook, CaptionHook, VLMTask
 
     args = build_parser().parse_args(flags + ["--output-dir", out])
     text_only = args.text_only
     del args.text_only
     t0 = time.perf_counter()
-    s = train(args, task=VLMTask(text_only=text_only), hooks=[AccuracyHook()])
+    s = train(args, task=VLMTask(text_only=text_only),
+              hooks=[AccuracyHook(), CaptionHook(n=128, show=4)])
     return {"valid_loss": s["valid_loss"], "valid_accuracy": s["valid_accuracy"],
+            "caption_accuracy": s["caption_accuracy"], "captions": s["captions"][:8],
             "final_loss": s["final_loss"], "parameters": s["parameters"],
             "wall_s": time.perf_counter() - t0}
 
@@ -91,11 +94,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("\n| model | parameters | validation caption loss | token accuracy | final train "
-          "loss | wall |\n|---|---|---|---|---|---|")
+    print("\n| model | parameters | validation caption loss | token accuracy | greedy captions "
+          "right | final train loss | wall |\n|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['parameters'] / 1e6:.2f}M | {r['valid_loss']:.3f} | "
-              f"{r['valid_accuracy']:.1%} | {r['final_loss']:.3f} | {r['wall_s']:.0f} s |")
+              f"{r['valid_accuracy']:.1%} | {r['caption_accuracy']:.1%} | "
+              f"{r['final_loss']:.3f} | {r['wall_s']:.0f} s |")
     print(f"\ntext-only floor (caption entropy): {entropy_floor():.3f} nats/token; "
           f"VLM / text-only validation loss: {result['loss_ratio']:.3f}")
 

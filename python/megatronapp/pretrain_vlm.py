@@ -14,7 +14,8 @@ caption text. The data are generated images of two shapes with their
 captions ("a red square left of a blue circle",
 :class:`megatronapp.data.shapes.CaptionData`); the loss is over the caption
 tokens only; rank 0 reports the validation token accuracy (top-1 over the
-vocabulary, text targets only). The work is done by :mod:`megatronapp.training` with
+vocabulary, text targets only) and, with one pipeline stage, greedy captions
+of a few validation images against the true ones. The work is done by :mod:`megatronapp.training` with
 :class:`~megatronapp.training.vision.VLMTask`.
 """
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from .training import build_parser as _build_parser
 from .training import train
-from .training.vision import AccuracyHook, VLMTask
+from .training.vision import AccuracyHook, CaptionHook, VLMTask
 
 __all__ = ["build_parser", "main"]
 
@@ -44,7 +45,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     text_only = args.text_only
     del args.text_only
-    summary = train(args, task=VLMTask(text_only=text_only), hooks=[AccuracyHook()])
+    summary = train(args, task=VLMTask(text_only=text_only), hooks=[AccuracyHook(), CaptionHook()])
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary

@@ -139,6 +139,19 @@ class CaptionData:
         words = [CAPTION_VOCAB[int(t)] for t in tokens]
         return " ".join(w for w in words if not w.startswith("<"))
 
+    @staticmethod
+    def other_way(caption: str) -> str:
+        """The same scene described from the other shape ("a red square left
+        of a blue circle" -> "a blue circle right of a red square"); a
+        caption names either shape first, so both are right."""
+        words = caption.split()
+        if len(words) < 7 or words[0] != "a" or "a" not in words[1:]:
+            return caption
+        k = words.index("a", 1)
+        flip = {"left": "right", "right": "left", "above": "below", "below": "above"}
+        relation = [flip.get(w, w) for w in words[3:k]]
+        return " ".join(words[k:] + relation + words[:3])
+
     def sample(self, split: str, index: int, seed: int) -> tuple[torch.Tensor, list]:
         """One image [3, H, W] and its caption's word ids (with <eos>)."""
         g = _generator(seed, split, index)

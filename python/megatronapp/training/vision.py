@@ -29,7 +29,18 @@ import dataclasses
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.shapes import IMAGE_ID, MAX_CAPTION_TOKENS, CaptionData, ShapesData
+import torch
+
+from ..data.shapes import (
+    BOS_ID,
+    CAPTION_VOCAB,
+    EOS_ID,
+    IMAGE_ID,
+    MAX_CAPTION_TOKENS,
+    PAD_ID,
+    CaptionData,
+    ShapesData,
+)
 from ..models import GPTModel, ViTConfig, ViTModel
 from ..models.vlm import IGNORE_INDEX, VLM, VLMConfig, masked_token_loss
 from .config import ConfigError
@@ -37,7 +48,7 @@ from .hooks import Hook
 from .setup import GPTTask, build_model_chunks, gpt_config
 from .step import evaluate
 
-__all__ = ["ViTTask", "VLMTask", "AccuracyHook", "accuracy"]
+__all__ = ["ViTTask", "VLMTask", "AccuracyHook", "CaptionHook", "accuracy", "caption"]
 
 
 def _check_images(config) -> None:
@@ -208,3 +219,80 @@ class AccuracyHook(Hook):
         if run.is_logger and acc:
             print(f"[megatronapp] validation accuracy {value:.1%} over "
                   f"{len(acc) * run.config.optim.global_batch_size} images", flush=True)
+
+
+def caption(run, images) -> torch.Tensor:
+    """Greedy captions of `images` [b, C, H, W] by a one-stage run of
+    :class:`VLMTask` (every rank of the job calls it with the same images):
+    text rows [b, T] from ``<image>`` (``<bos>`` text-only) to ``<eos>``.
+    The next word is the argmax over the whole caption vocabulary (the
+    vocabulary-parallel logits gathered over the tensor group)."""
+    state, device = run.state, run.device
+    if state.pp_size != 1:
+        raise ValueError("caption() runs a one-stage model: use --pipeline-model-parallel-size 1")
+    text_only = run.task.text_only
+    data = run.dataset
+    b, t = images.shape[0], data.text_length
+    tokens = torch.full((b, t), PAD_ID, dtype=torch.int64, device=device)
+    tokens[:, 0] = BOS_ID if text_only else IMAGE_ID
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    model = run.chunks[0]
+    images = images.to(device)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(1, t):
+                logits = model(tokens if text_only else (images, tokens))
+                # the prediction of text position i: at text position i - 1, which
+                # follows the image's P embeddings in the combined sequence
+                at = i - 1 if text_only else data.num_image_tokens + i - 2
+                local = logits[:, at].float()  # [b, V/tp]
+                if state.tp_size > 1:
+                    parts = [torch.empty_like(local) for _ in range(state.tp_size)]
+                    dist.all_gather(parts, local.contiguous(), group=state.tensor_group)
+                    local = torch.cat(parts, dim=-1)
+                word = local[:, :len(CAPTION_VOCAB)].argmax(-1)
+                tokens[:, i] = torch.where(done, torch.full_like(word, PAD_ID), word)
+                done |= word == EOS_ID
+                if bool(done.all()):
+                    break
+    finally:
+        model.train()
+    return tokens.cpu()
+
+
+class CaptionHook(Hook):
+    """At the end of a one-stage VLM run: greedy captions of the first `n`
+    validation images against their true captions, printed by rank 0 (the
+    first `show`) and kept as ``summary["captions"]`` (pairs) and
+    ``summary["caption_accuracy"]``: the share of captions exactly right,
+    either way round (:meth:`CaptionData.other_way`)."""
+
+    def __init__(self, n: int = 4, show: int = 4):
+        self.n, self.show = n, show
+
+    def on_train_end(self, run):
+        if run.state.pp_size != 1 or not isinstance(run.task, VLMTask):
+            return  # (generation runs one stage; with pipelines, evaluate the loss)
+        (images, truth), _ = _valid_rows(run, self.n)
+        made = caption(run, images)
+        pairs = [(CaptionData.describe(a), CaptionData.describe(g))
+                 for a, g in zip(truth, made, strict=True)]
+        exact = sum(g in (a, CaptionData.other_way(a)) for a, g in pairs) / len(pairs)
+        run.extra.setdefault("summary", {}).update(captions=pairs, caption_accuracy=exact)
+        if run.is_logger:
+            for want, got in pairs[:self.show]:
+                print(f"[megatronapp] caption: {got!r} (true: {want!r})", flush=True)
+            print(f"[megatronapp] {exact:.1%} of {len(pairs)} validation captions right "
+                  "(either shape first)", flush=True)
+
+
+def _valid_rows(run, n: int):
+    """((images, tokens), labels) of the first `n` validation samples; the
+    images of a text-only run are drawn the same way (its rows hold none)."""
+    data, seed = run.dataset, run.config.optim.seed
+    if not data.text_only:
+        return data.global_batch("valid", 0, n, seed)
+    pairs = [data.sample("valid", k, seed) for k in range(n)]
+    tokens, labels = data.global_batch("valid", 0, n, seed)
+    return (torch.stack([p[0] for p in pairs]), tokens), labels
