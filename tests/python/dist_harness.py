@@ -153,3 +153,11 @@ def assert_same_training(got: list, want: dict, steps: int, tol: float = 1e-5) -
             assert abs(g - w) < tol, f"step {i + 1}: {g} vs one rank's {w}"
         assert abs(r["valid"] - want["valid"]) < tol
         assert abs(r["acc"] - want["acc"]) <= 1e-6, (r["acc"], want["acc"])
+
+
+#: training-edge layouts every model family is checked under (4 ranks each)
+PP2_DP2_ZERO1_ZB = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                    "--pipeline-schedule", "zero-bubble"]
+PP2_FBD_RECOMPUTE = ["--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating",
+                     "--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1"]

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 
 import torch
-from dist_harness import assert_same_training, error_messages, run_ranks
+from dist_harness import (
+    PP2_DP2_ZERO1_ZB,
+    PP2_FBD_RECOMPUTE,
+    assert_same_training,
+    error_messages,
+    run_ranks,
+)
 
 SMALL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, img_h=24, img_w=24,
              patch_dim=8, num_classes=10)
@@ -181,11 +187,8 @@ def vit_tp1(tmp_path_factory):
 @pytest.mark.parametrize("world,extra", [
     (2, ["--tensor-model-parallel-size", "2"]),
     (2, ["--pipeline-model-parallel-size", "2"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-         "--pipeline-schedule", "zero-bubble"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating",
-         "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1"]),
+    (4, PP2_DP2_ZERO1_ZB),
+    (4, PP2_FBD_RECOMPUTE),
 ])
 def test_vit_trains_the_same_under_every_layout(tmp_path, vit_tp1, world, extra):
     got = run_ranks(_train_vit, world, extra, str(tmp_path))

@@ -12,7 +12,13 @@ from __future__ import annotations
 import pytest
 
 import torch
-from dist_harness import assert_same_training, error_messages, run_ranks
+from dist_harness import (
+    PP2_DP2_ZERO1_ZB,
+    PP2_FBD_RECOMPUTE,
+    assert_same_training,
+    error_messages,
+    run_ranks,
+)
 
 
 def _small_vlm(state, seed=5):
@@ -168,11 +174,8 @@ def vlm_tp1(tmp_path_factory):
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--disable-vision-class-token"]),
     (2, ["--pipeline-model-parallel-size", "2"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-         "--pipeline-schedule", "zero-bubble"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating",
-         "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1"]),
+    (4, PP2_DP2_ZERO1_ZB),
+    (4, PP2_FBD_RECOMPUTE),
 ], ids=["tp2", "tp2-sp-no-class-token", "pp2", "pp2-dp2-zero1-zb", "fbd"])
 def test_vlm_trains_the_same_under_every_layout(tmp_path, vlm_tp1, world, extra):
     want = vlm_tp1

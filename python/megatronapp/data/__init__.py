@@ -93,8 +93,9 @@ class TextDataset:
     @staticmethod
     def microbatches(tokens, labels, micro_batch_size: int, dp_rank: int, dp_size: int):
         """This data-parallel rank's microbatches of a global batch: the rows
-        [(m * dp + dp_rank) * mbs, ... + mbs) for m = 0, 1, ..."""
-        rows = tokens.shape[0]
+        [(m * dp + dp_rank) * mbs, ... + mbs) for m = 0, 1, ... `tokens` may
+        be a tuple of tensors with the same rows (a VLM's images and tokens)."""
+        rows = labels.shape[0]
         step = micro_batch_size * dp_size
         if rows % step != 0:
             raise ValueError(
@@ -103,5 +104,7 @@ class TextDataset:
         out = []
         for m in range(rows // step):
             lo = (m * dp_size + dp_rank) * micro_batch_size
-            out.append((tokens[lo: lo + micro_batch_size], labels[lo: lo + micro_batch_size]))
+            rows_m = slice(lo, lo + micro_batch_size)
+            x = tuple(t[rows_m] for t in tokens) if isinstance(tokens, tuple) else tokens[rows_m]
+            out.append((x, labels[rows_m]))
         return out

@@ -118,6 +118,8 @@ class CaptionData:
     ``global_batch`` returns ``((images, tokens), labels)`` (``(tokens,
     labels)`` text-only), identical on every rank."""
 
+    microbatches = staticmethod(TextDataset.microbatches)  # (images, tokens) rows split alike
+
     def __init__(self, img_size: int = 32, num_image_tokens: int = 64, text_length: int = 10,
                  text_only: bool = False, noise: float = 0.1):
         if img_size < 16:
@@ -192,14 +194,3 @@ class CaptionData:
         labels = combined_labels(tokens, IMAGE_ID, self.num_image_tokens, ignore_ids=(PAD_ID,))
         return (torch.stack([p[0] for p in pairs]), tokens), labels
 
-    @staticmethod
-    def microbatches(inputs, labels, micro_batch_size: int, dp_rank: int, dp_size: int):
-        """This data-parallel rank's microbatches (rows as
-        :meth:`TextDataset.microbatches`); `inputs` a tensor or a tuple."""
-        rows = torch.arange(labels.shape[0]).unsqueeze(1)
-        out = []
-        for idx, y in TextDataset.microbatches(rows, labels, micro_batch_size, dp_rank, dp_size):
-            idx = idx.squeeze(1)
-            x = tuple(t[idx] for t in inputs) if isinstance(inputs, tuple) else inputs[idx]
-            out.append((x, y))
-        return out

@@ -111,6 +111,11 @@ class ViTTask(GPTTask):
             return loss * scale if scale != 1.0 else loss
         return loss_fn
 
+    def accuracy_metric(self, run):
+        """The fraction of correct top-1 classes."""
+        device = run.device
+        return lambda logits, target: (logits.argmax(-1) == target.to(device)).float().mean()
+
 
 class VLMTask(GPTTask):
     """The LLaVA-style VLM on generated captions; with ``text_only`` the
@@ -175,30 +180,32 @@ class VLMTask(GPTTask):
             return loss * scale if scale != 1.0 else loss
         return loss_fn
 
+    def accuracy_metric(self, run):
+        """The fraction of text targets whose logit is the largest of the
+        whole vocabulary (the vocabulary-parallel max and target logit
+        reduced over the tensor group)."""
+        state, device = run.state, run.device
+
+        def token_accuracy(logits, target):  # [b, S, V/tp], [b, S]
+            target = target.to(device)
+            keep = target != IGNORE_INDEX
+            n = logits.shape[-1]
+            local = target - state.tp_rank * n
+            mine = (local >= 0) & (local < n)
+            top = logits.max(-1).values
+            picked = logits.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * mine
+            if state.tp_size > 1:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.tensor_group)
+                dist.all_reduce(picked, group=state.tensor_group)
+            return ((picked >= top) & keep).sum().float() / keep.sum().clamp(min=1)
+        return token_accuracy
+
 
 def accuracy(run):
-    """``metric(logits, target)``: the fraction of correct top-1 classes (the
-    ViT); for vocabulary-sharded logits with ``IGNORE_INDEX`` labels (the
-    VLM) the fraction of text targets whose logit is the largest of the
-    whole vocabulary."""
-    device = run.device
-    if not isinstance(run.task, VLMTask):
-        return lambda logits, target: (logits.argmax(-1) == target.to(device)).float().mean()
-    state = run.state
-
-    def token_accuracy(logits, target):  # [b, S, V/tp], [b, S]
-        target = target.to(device)
-        keep = target != IGNORE_INDEX
-        n = logits.shape[-1]
-        local = target - state.tp_rank * n
-        mine = (local >= 0) & (local < n)
-        top = logits.max(-1).values
-        picked = logits.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * mine
-        if state.tp_size > 1:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.tensor_group)
-            dist.all_reduce(picked, group=state.tensor_group)
-        return ((picked >= top) & keep).sum().float() / keep.sum().clamp(min=1)
-    return token_accuracy
+    """``metric(logits, target)`` of the run's task: the fraction of correct
+    top-1 classes (the ViT) or of text targets whose logit is the largest
+    of the whole vocabulary (the VLM)."""
+    return run.task.accuracy_metric(run)
 
 
 class AccuracyHook(Hook):
