@@ -19,13 +19,16 @@ SUDO         := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 NPROC        ?= 4
 FUZZ_RUNS    ?= 1000000
 DEMO_ITERS   ?= 300
+DEMO_PORT    ?= 29510
+DEMO_OUT     ?= runs/demo
+REPORTS      := $(CURDIR)/build/test-reports
 
 export MAPP_BUILD_TESTS := ON
 export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu bench-moe fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo demo-command test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu bench-moe fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -70,24 +73,38 @@ build: setup
 	$(PY) -m pip install -q --no-build-isolation -e .
 
 # ---- the two commands -----------------------------------------------------
-demo: build
-	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29510 \
+DEMO_CMD = $(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port $(DEMO_PORT) \
 	  examples/pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
 	  --pipeline-schedule dynamic --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
 	  --micro-batch-size 4 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 50 \
 	  --use-distributed-optimizer --memory-pool --eval-interval 25 \
-	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir runs/demo
+	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir $(DEMO_OUT)
 
-test: build peers lint test-cpp test-python test-install
+demo: build
+	$(DEMO_CMD)
+
+# The demo's command line, for tests/python/test_demo.py (which runs it short).
+demo-command:
+	@echo '$(DEMO_CMD)'
+
+# ctest runs beside pytest (it is short and mostly single-threaded; pytest's
+# warm ranks leave gaps); the install test follows; then the slowest tests.
+test: build peers lint
+	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
+	@$(MAKE) --no-print-directory -j2 test-cpp test-python
+	@$(MAKE) --no-print-directory test-install
+	@$(PY) tests/durations.py
 
 lint:
 	$(VENV)/bin/ruff check python tests benchmarks examples
 
 test-cpp:
-	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2
+	@mkdir -p $(REPORTS)
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j2 --output-junit $(REPORTS)/ctest.xml
 
 test-python: peers
-	$(PY) -m pytest -q tests/python tests/gpu
+	@mkdir -p $(REPORTS)
+	$(PY) -m pytest -q tests/python tests/gpu --junitxml=$(REPORTS)/pytest.xml
 
 # ---- release ----------------------------------------------------------------
 # dist/: an sdist and a manylinux wheel (auditwheel repair; torch/CUDA excluded).

@@ -136,17 +136,38 @@ class Watchdog:
         Watchdog.current = self
         return self
 
-    def stop(self) -> None:
-        """Stops watching; peers treat this rank as finished, not dead."""
-        for st in (self.store, self.backup):
-            try:
-                if st is not None:
-                    st.set(f"done/{self.rank}", "1")
-            except Exception:  # noqa: BLE001
-                pass
-        self._stop.set()
+    def stop(self, wait_for_peers: bool = True) -> None:
+        """Stops watching; peers treat this rank as finished, not dead.
+
+        A rank that hosts a store (the backup's host; rank 0 when it hosts the
+        rendezvous store) then waits, at most `timeout` seconds, until every
+        other rank has stopped too (``wait_for_peers``, the normal end of a
+        run): its store dies with it, and a peer still beating on it would get
+        a broken pipe that c10d prints as a stack trace."""
+        self._stop.set()  # first: no beat after the done mark below
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        hosted = []
+        for st, host in ((self.store, self.rank == 0 and self.store_host() == "rank 0"),
+                         (self.backup, self._backup_server is not None)):
+            if st is None:
+                continue
+            try:
+                st.set(f"done/{self.rank}", "1")
+                if host:
+                    hosted.append(st)
+            except Exception:  # noqa: BLE001
+                pass
+        if wait_for_peers and hosted:
+            dead = {r for r, _ in self.dead}
+            others = [f"done/{r}" for r in range(self.world) if r != self.rank and r not in dead]
+            deadline = time.monotonic() + self.timeout
+            for st in hosted:
+                try:
+                    while others and not st.check(others) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                except Exception:  # noqa: BLE001 - nothing left to protect
+                    pass
         self.backup = self._backup_server = None
         if Watchdog.current is self:
             Watchdog.current = None

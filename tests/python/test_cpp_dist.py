@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dist_harness import free_port, run_ranks
+from dist_harness import assert_no_stack_trace, free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXE = os.path.join(ROOT, "build", "py", "tests", "mapp_dist_check")
@@ -232,9 +232,11 @@ def _run_both(tmp_path, world, common, py_extra=(), cpp_extra=()):
                            "--no-progress", "--eval-iters", "0",
                            "--output-dir", str(tmp_path / "py"), *py_extra])
     assert py.returncode == 0, py.stderr[-2000:]
+    assert_no_stack_trace(py.stdout + py.stderr, "pretrain_gpt.py")
     cpp = _torchrun(world, ["--no-python", TRAIN_GPT, *common,
                             "--loss-csv", str(tmp_path / "c.csv"), *cpp_extra])
     assert cpp.returncode == 0, cpp.stderr[-2000:]
+    assert_no_stack_trace(cpp.stdout + cpp.stderr, "train_gpt")
     return _by_iteration(tmp_path / "py" / "loss.csv"), _by_iteration(tmp_path / "c.csv")
 
 

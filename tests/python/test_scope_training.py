@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_scope_browser import _misbehave, _post
 
-from dist_harness import free_port
+from dist_harness import assert_no_stack_trace, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -44,6 +44,8 @@ def _train(out, extra=(), client=None, args=ARGS):
         t.start()
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    for r, log in enumerate(logs):
+        assert_no_stack_trace(log, f"rank {r}")
     if client is not None:
         t.join(60)
     with open(out / "loss.csv") as f:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import queue
 import threading
@@ -32,6 +33,26 @@ __all__ = ["ScopeServer", "validate", "MAX_REQUEST_BYTES"]
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_BACKLOG = 8  #: events waiting to be sent before newer ones are dropped
 STATIC = os.path.join(os.path.dirname(__file__), "static")
+
+
+class _OneLineBadRequests(logging.Filter):
+    """A malformed request is the client's fault, answered with 400: aiohttp
+    logs it with a full traceback, which in a training log reads like a
+    crash. It becomes one line naming the client's mistake."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc, HttpProcessingError):
+            reason = " ".join(str(getattr(exc, "message", exc)).split())
+            record.msg = f"MegaScope: rejected a malformed request ({exc.code}: {reason})"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_BAD_REQUESTS = _OneLineBadRequests()
 
 
 def _plotly_js() -> str | None:
@@ -190,6 +211,9 @@ class ScopeServer:
             app.router.add_get("/ws", self._ws)
             app.router.add_get("/static/plotly.min.js", self._plotly)
             app.router.add_static("/static/", STATIC)
+            server_log = logging.getLogger("aiohttp.server")
+            if _BAD_REQUESTS not in server_log.filters:
+                server_log.addFilter(_BAD_REQUESTS)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, self.port)

@@ -150,7 +150,7 @@ class WatchdogHook(Hook):
         if self.dog is not None:
             if isinstance(error, Exception):  # a dead peer? give the heartbeat time to name it
                 self.dog.explain_failure()  # (exits the process if a rank is dead)
-            self.dog.stop()
+            self.dog.stop(wait_for_peers=error is None)
             self.dog = None
 
 
