@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -198,12 +199,13 @@ def _serve(rank: int, world: int, conn, dump_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     base = _Baseline()
     while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
+        kind, payload = conn.recv()
+        if kind == "stop":
             return
-        _, fn, args, environ, cwd, path, port = msg
+        environ, cwd, path, port, body = payload
         base.enter(environ, cwd, path)
         try:
+            fn, args = pickle.loads(body)  # here: a test module that fails to import is reported
             store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=60))
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))
@@ -270,7 +272,7 @@ class _Pool:
         for c, p in zip(self.conns, self.procs, strict=True):
             if not kill and p.is_alive():
                 try:
-                    c.send(("stop",))
+                    c.send(("stop", None))
                 except OSError:
                     pass
         for p in self.procs:
@@ -295,7 +297,8 @@ class _Pool:
 
         store = dist.TCPStore("127.0.0.1", 0, self.world + 1, True, timedelta(seconds=60),
                               wait_for_workers=False)
-        msg = ("run", fn, args, dict(os.environ), os.getcwd(), list(sys.path), store.port)
+        msg = ("run", (dict(os.environ), os.getcwd(), list(sys.path), store.port,
+                       pickle.dumps((fn, args))))
         for c in self.conns:
             c.send(msg)
         results, errors, pending = {}, {}, set(range(self.world))
@@ -329,7 +332,7 @@ class _Pool:
             return results, errors, False
         # Every rank is back: tear the body down everywhere, then reuse.
         for c in self.conns:
-            c.send(("teardown",))
+            c.send(("teardown", None))
         keep = True
         deadline = time.monotonic() + _TEARDOWN_S
         for r, c in enumerate(self.conns):
