@@ -25,7 +25,7 @@ processes are killed and the next call starts a new pool, so a hang never
 blocks the suite.
 
 `fresh=True` (or MAPP_TEST_WARM_RANKS=0 for every call) runs the body in
-newly spawned processes that exit afterwards, as before the pool existed.
+newly spawned processes that exit afterwards (a pool used for one body).
 
 `train_variants` (run on every rank) trains the same model under several
 command-line variants; `assert_variants_identical` checks that every variant's
@@ -378,81 +378,17 @@ def _raise(errors: dict) -> None:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, fresh: bool = False):
-    if fresh or os.environ.get("MAPP_TEST_WARM_RANKS", "1") == "0":
-        return _run_fresh(fn, world_size, args, timeout)
-    pool = _pool(world_size)
+    fresh = fresh or os.environ.get("MAPP_TEST_WARM_RANKS", "1") == "0"
+    pool = _Pool(world_size) if fresh else _pool(world_size)  # fresh: a pool of one body
     keep = False
     try:
         results, errors, keep = pool.run(fn, args, timeout)
     finally:  # also on pytest-timeout or ^C while waiting
-        if not keep:
+        if fresh:
+            pool.close(kill=not keep)
+        elif not keep:
             _POOLS.pop(world_size, None)
             pool.close(kill=True)
-    if errors:
-        _raise(errors)
-    return [results[r] for r in range(world_size)]
-
-
-# ---- fresh processes (fresh=True) -----------------------------------------------
-
-def _worker(fn, rank, world_size, port, args, queue):
-    import torch.distributed as dist
-
-    import torch
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-            world_size=world_size, timeout=timedelta(seconds=60))
-        result = fn(rank, world_size, *args)
-        # Serialize here: a tensor sent through the queue would share memory
-        # with this process, which exits right after.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report everything, including assertion failures
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            import megatronapp
-
-            megatronapp.destroy_model_parallel()
-        except Exception:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_fresh(fn, world_size: int, args, timeout: float):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                import torch
-
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors[rank] = payload
-            if errors:
-                break  # one failure: the others may wait forever on it
-    except Exception as e:  # queue.Empty: somebody hung
-        errors[-1] = f"{_body_name(fn)}: timed out after {timeout}s waiting for ranks ({e!r})"
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
     if errors:
         _raise(errors)
     return [results[r] for r in range(world_size)]
