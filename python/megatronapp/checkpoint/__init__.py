@@ -46,6 +46,7 @@ from .. import _C, _collectives
 from ..data_parallel import DistributedDataParallel
 from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
+from ..tensor_parallel.utils import partition_view
 from .format import CheckpointError, fsync_dir, read, write
 from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
@@ -92,17 +93,19 @@ def tensor_parallel_slice(p, state):
 
 
 def _tp_slice(p, state):
-    """(dim, start, end) of this rank's shard in the global tensor, or None."""
-    dim = getattr(p, "partition_dim", None)
-    if dim is None or not getattr(p, "tensor_model_parallel", False):
+    """(dim, start, end) of this rank's shard in the global tensor, or None.
+    A stacked parameter (SwiGLU's fc1) is sliced in its partition view
+    ``[k, rows/k, ...]``, where the shard is contiguous."""
+    view, dim = partition_view(p)
+    if dim is None:
         return None
-    n = p.shape[dim]
+    n = view[dim]
     return (dim, state.tp_rank * n, (state.tp_rank + 1) * n)
 
 
 def _global_shape(p, state):
     sl = _tp_slice(p, state)
-    shape = list(p.shape)
+    shape = list(partition_view(p)[0])
     if sl is not None:
         shape[sl[0]] *= state.tp_size
     return shape

@@ -1,12 +1,22 @@
 """A Megatron-style GPT built only from the tensor-parallel layers.
 
-Pre-LayerNorm decoder blocks with causal self-attention; attention heads and
+Pre-norm decoder blocks with causal self-attention; attention heads and
 the MLP's hidden units are split across the tensor group; activations inside
 the model use Megatron's [sequence, batch, hidden] layout so that sequence
 parallelism can shard dim 0. Input and output embeddings are tied by default.
 
 For a given seed the model is the same function at every tensor-parallel size:
 each layer draws its full weight and keeps its slice.
+
+The block is GPT-2's by default (LayerNorm, GELU, learned positions, biases,
+multi-head attention) and every modern variant by Megatron-LM's flags
+(:class:`GPTConfig`): RMSNorm, SwiGLU, RoPE (partial, interleaved, Llama-3.1
+scaling), grouped-query attention, no biases, QKV biases (Qwen2), query/key
+normalization (Qwen3), SwiGLU experts with shared experts (Mixtral,
+DeepSeek-style MoE). Fused QKV rows are ordered per query group ``[group,
+(its query heads, key, value), kv_channels]`` (Megatron's layout; with one
+query per group it is the multi-head ``[head, (q, k, v), d]``), so a
+contiguous row shard is a whole set of groups.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..tensor_parallel.random import check_recompute, checkpoint, dropout, get_rng_tracker
-from ..tensor_parallel.utils import divide, resolve_state
+from ..tensor_parallel.utils import divide, resolve_state, sharded_parameter
+from .rotary import RotaryEmbedding, apply_rotary, positions
 
 
 @dataclass
@@ -83,14 +94,41 @@ class GPTConfig:
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "alltoall"
     moe_dispatch_compression: str = "none"  #: or "int8" (block-scaled token rows)
+    #: shared experts (Megatron's --moe-shared-expert-intermediate-size): a
+    #: dense MLP of this hidden size every MoE layer adds to its experts' output
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_topk_scaling_factor: float | None = None  #: scale the top-k weights
+    # ---- the block (Megatron-LM's flags; defaults: GPT-2's block) ----
+    normalization: str = "LayerNorm"  #: or "RMSNorm"
+    swiglu: bool = False  #: gated MLP silu(x W_gate) * (x W_up) (experts too)
+    #: "learned_absolute", "rope" or "none"
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  #: fraction of each head's channels rotated
+    rotary_interleaved: bool = False  #: rotate channel pairs (2i, 2i+1), not (i, i + rot/2)
+    use_rope_scaling: bool = False  #: Llama-3.1's long-context frequency scaling
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position: int = 8192
+    num_query_groups: int | None = None  #: grouped-query attention (None: one per head)
+    kv_channels: int | None = None  #: per-head channels (default hidden / heads)
+    add_bias_linear: bool = True  #: biases of QKV, projection, fc1, fc2
+    add_qkv_bias: bool = False  #: a QKV bias even without add_bias_linear (Qwen2)
+    qk_layernorm: bool = False  #: normalize each query and key head (Qwen3)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                f"({self.num_attention_heads})")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); set --kv-channels to decouple them")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        self._check_block()
         check_recompute(self.recompute_granularity, self.recompute_method,
                         self.recompute_num_layers, self.distribute_saved_activations,
                         self.sequence_parallel)
@@ -104,6 +142,32 @@ class GPTConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r}: expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+
+    def _check_block(self) -> None:
+        choices = {"normalization": ("LayerNorm", "RMSNorm"),
+                   "position_embedding_type": ("learned_absolute", "rope", "none")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected "
+                                 f"one of {', '.join(allowed)}")
+        ng, heads = self.num_query_groups, self.num_attention_heads
+        if ng < 1 or heads % ng:
+            raise ValueError(f"--num-query-groups {ng} must divide --num-attention-heads "
+                             f"{heads} (every query group has the same number of heads)")
+        if self.kv_channels < 1:
+            raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and \
+                int(self.kv_channels * self.rotary_percent) < 2:
+            raise ValueError(f"--rotary-percent {self.rotary_percent} of kv_channels "
+                             f"{self.kv_channels} rotates no channel pair")
+        if self.use_rope_scaling and self.rope_scaling_factor <= 0:
+            raise ValueError(f"--rope-scaling-factor must be > 0, got {self.rope_scaling_factor}")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     def _check_moe(self) -> None:
         if self.num_experts < 1:
@@ -138,17 +202,31 @@ class GPTConfig:
         count the router and top-k experts)."""
         h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
                          self.seq_length, self.num_layers)
-        attn = 4 * h + (3 * h * h + 3 * h) + (h * h + h)
-        dense_mlp = (h * f + f) + (f * h + h)
+        d, heads, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        bias = self.add_bias_linear
+        qkv_out = (heads + 2 * ng) * d
+        attn = 2 * norm + qkv_out * h + (qkv_out if self.qkv_bias else 0) \
+            + heads * d * h + (h if bias else 0)
+        if self.qk_layernorm:
+            attn += 2 * (d if self.normalization == "RMSNorm" else 2 * d)
+        gate = 2 if self.swiglu else 1
+
+        def mlp(width, with_bias):
+            return gate * h * width + width * h + ((gate * width + h) if with_bias else 0)
         total = 0
         for i in range(n):
             if self.is_moe_layer(i):
                 experts = self.moe_router_topk if active else self.num_experts
-                total += attn + self.num_experts * h + experts * 2 * h * self.moe_ffn_hidden_size
+                total += attn + self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size,
+                                                                     False)
+                if self.moe_shared_expert_intermediate_size:
+                    total += mlp(self.moe_shared_expert_intermediate_size, bias)
             else:
-                total += attn + dense_mlp
+                total += attn + mlp(f, bias)
         out = 0 if self.share_embeddings_and_output_weights else v * h
-        return v * h + s * h + total + 2 * h + out
+        pos = s * h if self.position_embedding_type == "learned_absolute" else 0
+        return v * h + pos + total + norm + out
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -174,6 +252,61 @@ def mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
         p.sequence_parallel = enabled
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in float32 (as
+    Megatron's and Hugging Face's), returned in the input's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return y * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(cfg: GPTConfig, size: int | None = None) -> nn.Module:
+    """--normalization over `size` channels (default the hidden size)."""
+    size = cfg.hidden_size if size is None else size
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
+
+
+class _GroupedQKV(nn.Module):
+    """The QKV projection when the tensor group is larger than the number of
+    query groups (each group replicated over tp / groups ranks): the weight
+    is whole on every rank, each rank projects with the rows of its query
+    heads and its group's key and value, and the gradient (a partial sum
+    over the tensor group) is summed by ``finalize_model_grads``."""
+
+    def __init__(self, cfg: GPTConfig, state, rows: torch.Tensor):
+        super().__init__()
+        h, out = cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * \
+            cfg.kv_channels
+        self.group, self.sequence_parallel = state.tensor_group, cfg.sequence_parallel
+        self.weight = sharded_parameter((out, h), None, state, _normal(cfg.init_method_std))
+        self.weight.sequence_parallel = True  # partial sums over the tensor group
+        self.bias = None
+        if cfg.qkv_bias:
+            self.bias = sharded_parameter((out,), None, state, nn.init.zeros_)
+            self.bias.sequence_parallel = True
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
+        w = self.weight.index_select(0, self.rows)
+        b = self.bias.index_select(0, self.rows) if self.bias is not None else None
+        return linear(x, w, b)
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split across the tensor group. The fused
     QKV projection's output features are ordered [head, (q, k, v), head_dim], so a
@@ -186,7 +319,6 @@ class ParallelAttention(nn.Module):
         self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
         tp = state.tp_size
         self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
         self.fused = cfg.attention_backend in ("auto", "flash", "fused")
@@ -200,18 +332,70 @@ class ParallelAttention(nn.Module):
         if self.context_group is not None and cfg.attention_dropout > 0:
             raise ValueError("attention dropout with context parallelism is not supported")
         sp = cfg.sequence_parallel
-        self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, 3 * cfg.hidden_size, sequence_parallel=sp,
-            init_method=_normal(cfg.init_method_std), parallel_state=state)
+        d, ng, heads = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
+        self.head_dim, self.layout = d, cfg.position_embedding_type
+        qkv_out = (heads + 2 * ng) * d
+        if ng % tp == 0:  # whole query groups per rank: a contiguous row shard
+            self.groups_local, self.queries_per_group = ng // tp, heads // ng
+            self.qkv = ColumnParallelLinear(
+                cfg.hidden_size, qkv_out, bias=cfg.qkv_bias, sequence_parallel=sp,
+                init_method=_normal(cfg.init_method_std), parallel_state=state)
+        elif tp % ng == 0 and heads % tp == 0:  # each group replicated over tp / ng ranks
+            per = tp // ng
+            g, j = state.tp_rank // per, state.tp_rank % per
+            self.groups_local, self.queries_per_group = 1, heads // tp
+            base, qpg = g * (heads // ng + 2) * d, heads // ng
+            q0 = base + j * self.queries_per_group * d
+            rows = torch.cat([torch.arange(q0, q0 + self.queries_per_group * d),
+                              torch.arange(base + qpg * d, base + (qpg + 2) * d)])
+            self.qkv = _GroupedQKV(cfg, state, rows)
+        else:
+            raise ValueError(f"--num-query-groups {ng} and the tensor-parallel size {tp}: "
+                             "one must divide the other (groups split over tensor ranks, or "
+                             "each group replicated over tp / groups ranks)")
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # per head; each rank feeds it its own heads
+            self.q_layernorm, self.k_layernorm = make_norm(cfg, d), make_norm(cfg, d)
+            mark_sequence_parallel(self.q_layernorm, tp > 1)
+            mark_sequence_parallel(self.k_layernorm, tp > 1)
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(
+                d, cfg.rotary_percent, cfg.rotary_base, interleaved=cfg.rotary_interleaved,
+                scaling_factor=cfg.rope_scaling_factor if cfg.use_rope_scaling else None,
+                low_freq_factor=cfg.rope_scaling_low_freq_factor,
+                high_freq_factor=cfg.rope_scaling_high_freq_factor,
+                original_max_position=cfg.rope_scaling_original_max_position)
+        self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
         self.proj = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, input_is_parallel=True, sequence_parallel=sp,
-            init_method=_normal(output_std), parallel_state=state)
+            heads * d, cfg.hidden_size, bias=cfg.add_bias_linear, input_is_parallel=True,
+            sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        """q [b, heads, s, d], k and v [b, groups, s, d] of this rank."""
+        s, b = qkv.shape[0], qkv.shape[1]
+        qpg, d = self.queries_per_group, self.head_dim
+        if qpg == 1 and self.groups_local == self.heads_local:  # multi-head attention
+            qkv = qkv.view(s, b, self.heads_local, 3, d)
+            return tuple(t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
+        qkv = qkv.view(s, b, self.groups_local, qpg + 2, d)
+        q = qkv[:, :, :, :qpg].reshape(s, b, self.groups_local * qpg, d)
+        k, v = qkv[:, :, :, qpg], qkv[:, :, :, qpg + 1]
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, heads_local * 3 * head_dim]
+        qkv = self.qkv(x)  # [s, b, local (heads + 2 groups) * head_dim]
         s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # [b, heads, s, d]
+        q, k, v = self._split_qkv(qkv)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(s, self.cp_size, self.cp_rank, q.device, q.dtype)
+            q = apply_rotary(q, cos, sin, self.rotary.interleaved)
+            k = apply_rotary(k, cos, sin, self.rotary.interleaved)
+        if self.queries_per_group > 1:  # every query head sees its group's key and value
+            k = k.repeat_interleave(self.queries_per_group, dim=1)
+            v = v.repeat_interleave(self.queries_per_group, dim=1)
         scope = taps.ACTIVE if self.tapped else None
         if scope is not None:
             q, k, v = (scope.tap(site, self.layer_number, t, "heads")
@@ -277,18 +461,29 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float):
+    """fc2(act(fc1(x))): GELU, or with ``swiglu`` fc1 holding the gate and up
+    projections (stacked: this rank's gate rows, then its up rows) and
+    silu(gate) * up. `ffn_hidden_size` overrides the config's (shared experts)."""
+
+    def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float,
+                 ffn_hidden_size: int | None = None):
         super().__init__()
-        sp = cfg.sequence_parallel
+        sp, f = cfg.sequence_parallel, ffn_hidden_size or cfg.ffn_hidden_size
+        self.swiglu = cfg.swiglu
+        gate = 2 if cfg.swiglu else 1
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_hidden_size, sequence_parallel=sp,
-            init_method=_normal(cfg.init_method_std), parallel_state=state)
+            cfg.hidden_size, gate * f, bias=cfg.add_bias_linear, sequence_parallel=sp,
+            init_method=_normal(cfg.init_method_std), parallel_state=state, stacked=gate)
         self.fc2 = RowParallelLinear(
-            cfg.ffn_hidden_size, cfg.hidden_size, input_is_parallel=True, sequence_parallel=sp,
-            init_method=_normal(output_std), parallel_state=state)
+            f, cfg.hidden_size, bias=cfg.add_bias_linear, input_is_parallel=True,
+            sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h, approximate="tanh"))
 
 
 #: The MoE layer class, registered by megatronapp.moe when it is imported (the
@@ -304,9 +499,9 @@ class TransformerLayer(nn.Module):
         self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
         # GPT-2 / Megatron scaled init of the output projections.
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln1 = make_norm(cfg)
         self.attn = ParallelAttention(cfg, state, output_std, layer_number)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln2 = make_norm(cfg)
         if cfg.is_moe_layer(layer_number):
             if not MOE_LAYER:
                 raise RuntimeError("GPTConfig(num_experts=...) needs the MoE layer: import "
@@ -384,8 +579,10 @@ class GPTModel(nn.Module):
                 self.word_embeddings = VocabParallelEmbedding(
                     cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
                     parallel_state=state)
-                position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-                nn.init.normal_(position.weight, 0.0, cfg.init_method_std)
+                position = None  # RoPE / none: no table (its draws came after the rest)
+                if cfg.position_embedding_type == "learned_absolute":
+                    position = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                    nn.init.normal_(position.weight, 0.0, cfg.init_method_std)
             if pre_process:
                 self.position_embeddings = position
             if split:
@@ -399,7 +596,7 @@ class GPTModel(nn.Module):
         self.final_layernorm = self.output_layer = None
         if post_process:
             with seeded(base, 1 + cfg.num_layers):
-                self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+                self.final_layernorm = make_norm(cfg)
                 mark_sequence_parallel(self.final_layernorm, cfg.sequence_parallel)
                 if not tied:
                     self.output_layer = ColumnParallelLinear(
@@ -420,13 +617,11 @@ class GPTModel(nn.Module):
                 raise ValueError(
                     f"sequence length {s * self.cp_size} exceeds the model's seq_length "
                     f"{self.config.seq_length}")
-            if self.cp_size > 1:  # this rank's zigzag chunks of the positions
-                from ..context_parallel import zigzag_split
-                pos = zigzag_split(torch.arange(s * self.cp_size, device=tokens.device),
-                                   self.cp_size, self.cp_rank, 0)
+            if self.position_embeddings is not None:  # learned absolute positions
+                x = tokens + self.position_embeddings(
+                    positions(s, self.cp_size, self.cp_rank, tokens.device))  # [b, s, h]
             else:
-                pos = torch.arange(s, device=tokens.device)
-            x = tokens + self.position_embeddings(pos)  # [b, s, h]
+                x = tokens
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
             if self.config.sequence_parallel:
                 x = mappings.scatter_to_sequence_parallel_region(x, self.group)

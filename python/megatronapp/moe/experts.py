@@ -8,6 +8,9 @@ equal to the tensor-parallel size), so the experts' outputs are partial sums
 over the tensor group that the MoE layer reduces once after the combine.
 Expert e's full weights are drawn from a generator seeded by (layer seed, e):
 the model is the same function at every expert- and tensor-parallel size.
+With SwiGLU (``--swiglu``) fc1 is the gate rows then the up rows, each split
+over the tensor group (a rank holds ``[gate_r; up_r]``, stacked like the
+dense MLP's fc1), and the activation is silu(gate) * up.
 """
 
 from __future__ import annotations
@@ -62,8 +65,11 @@ class GroupedMLP(nn.Module):
     expert-data-parallel group)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, first: int, num_local: int,
-                 *, tp_size: int, tp_rank: int, seed: int, init_std: float, output_std: float):
+                 *, tp_size: int, tp_rank: int, seed: int, init_std: float, output_std: float,
+                 swiglu: bool = False):
         super().__init__()
+        self.swiglu = swiglu
+        gate = 2 if swiglu else 1
         if ffn_hidden_size % tp_size:
             raise ValueError(f"moe ffn hidden size {ffn_hidden_size} is not divisible by the "
                              f"tensor-parallel size {tp_size}")
@@ -73,10 +79,16 @@ class GroupedMLP(nn.Module):
         experts = {}
         for e in self.ids:
             g = torch.Generator().manual_seed((seed * 1_000_003 + 104_729 * (e + 1)) % (2**63 - 1))
-            fc1 = torch.empty(ffn_hidden_size, hidden_size).normal_(0.0, init_std, generator=g)
+            fc1 = torch.empty(gate, ffn_hidden_size, hidden_size).normal_(0.0, init_std,
+                                                                          generator=g)
             fc2 = torch.empty(hidden_size, ffn_hidden_size).normal_(0.0, output_std, generator=g)
-            ex = Expert(fc1[lo:lo + shard].clone(), fc2[:, lo:lo + shard].clone())
-            set_tensor_model_parallel_attributes(ex.fc1, 0)
+            ex = Expert(fc1[:, lo:lo + shard].reshape(gate * shard, hidden_size).clone(),
+                        fc2[:, lo:lo + shard].clone())
+            if swiglu:
+                set_tensor_model_parallel_attributes(ex.fc1, 1)
+                ex.fc1.partition_view = (2, shard, hidden_size)
+            else:
+                set_tensor_model_parallel_attributes(ex.fc1, 0)
             set_tensor_model_parallel_attributes(ex.fc2, 1)
             for p in ex.parameters():
                 p.expert_parallel = True
@@ -86,5 +98,9 @@ class GroupedMLP(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         ex = [self.experts[str(e)] for e in self.ids]
         h = grouped_linear(x, tokens_per_expert, [m.fc1 for m in ex])
-        h = F.gelu(h, approximate="tanh")
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
         return grouped_linear(h, tokens_per_expert, [m.fc2 for m in ex])

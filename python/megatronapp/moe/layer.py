@@ -89,11 +89,18 @@ class MoELayer(nn.Module):
             capacity_factor=cfg.moe_expert_capacity_factor,
             drop_policy=cfg.moe_token_drop_policy,
             enable_expert_bias=cfg.moe_router_enable_expert_bias,
-            bias_update_rate=cfg.moe_router_bias_update_rate, init_std=cfg.init_method_std)
+            bias_update_rate=cfg.moe_router_bias_update_rate, init_std=cfg.init_method_std,
+            topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
         self.experts = GroupedMLP(
             cfg.hidden_size, cfg.moe_ffn_hidden_size, state.ep_rank * self.num_local,
             self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,
-            init_std=cfg.init_method_std, output_std=output_std)
+            init_std=cfg.init_method_std, output_std=output_std, swiglu=cfg.swiglu)
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size:  # a dense tensor-parallel MLP beside them
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed * 1_000_003 + 15_485_863) % (2**63 - 1))
+                self.shared_experts = _gpt.ParallelMLP(
+                    cfg, state, output_std, cfg.moe_shared_expert_intermediate_size)
         self.group = state.expert_group
         self.last_aux_loss = torch.zeros(())
         self.last_tokens_per_expert: list[int] = []
@@ -131,6 +138,8 @@ class MoELayer(nn.Module):
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, tp_group)
         else:
             out = mappings.reduce_from_tensor_model_parallel_region(out, tp_group)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         self.last_aux_loss = aux.detach()  # a tensor: no host synchronization per layer
         if aux.requires_grad and self.training:
             scale = self.aux_loss_scale if self.aux_loss_scale is not None else aux_loss_scale()

@@ -43,8 +43,13 @@ class Router(nn.Module):
                  load_balancing_type: str = "aux_loss", aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", enable_expert_bias: bool = False,
-                 bias_update_rate: float = 1e-3, init_std: float = 0.02):
+                 bias_update_rate: float = 1e-3, init_std: float = 0.02,
+                 topk_scaling_factor: float | None = None):
         super().__init__()
+        if topk_scaling_factor is not None and topk_scaling_factor <= 0:
+            raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got "
+                             f"{topk_scaling_factor}")
+        self.topk_scaling_factor = topk_scaling_factor
         if not 1 <= topk <= num_experts:
             raise ValueError(f"--moe-router-topk {topk} must be in [1, --num-experts "
                              f"{num_experts}]")
@@ -120,6 +125,8 @@ class Router(nn.Module):
             aux = aux + self.aux_loss_coeff * E * (full.mean(0) * (load / (T * k))).sum()
         if self.z_loss_coeff and T > 0:
             aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        if self.topk_scaling_factor is not None:  # --moe-router-topk-scaling-factor
+            probs = probs * self.topk_scaling_factor
         idx, probs = self._apply_capacity(idx, probs, T)
         return probs, idx, aux
 

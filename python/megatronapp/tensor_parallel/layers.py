@@ -82,7 +82,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) across the tensor group.
 
     ``.weight`` is [out/tp, in] and holds rows [r*out/tp, (r+1)*out/tp) of the
-    full weight on tensor rank r; ``.bias`` is [out/tp]. The output is this
+    full weight on tensor rank r; ``.bias`` is [out/tp]. With ``stacked=k`` the
+    output features are k blocks (SwiGLU's gate and up), each split over the
+    group: rank r holds block rows r of each, in order. The output is this
     rank's slice of the last dim, or the full output with ``gather_output=True``.
     With ``sequence_parallel=True`` the input is sharded along dim 0 (sequence,
     Megatron's [s, b, h]) and all-gathered before the matmul.
@@ -100,13 +102,14 @@ class ColumnParallelLinear(nn.Module):
         parallel_state: ParallelState | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        stacked: int = 1,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)
-        if gather_output and sequence_parallel:
+        if gather_output and (sequence_parallel or stacked > 1):
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with "
-                "sequence_parallel=True (the next layer expects a sequence shard)"
+                "sequence_parallel=True (the next layer expects a sequence shard) or stacked > 1"
             )
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -116,10 +119,11 @@ class ColumnParallelLinear(nn.Module):
             out_features, tp, "ColumnParallelLinear out_features")
         kw = {"dtype": dtype, "device": device}
         self.weight = sharded_parameter((out_features, in_features), 0, state,
-                                        init_method or _linear_weight_init, **kw)
+                                        init_method or _linear_weight_init, stacked=stacked, **kw)
         if bias:
             self.bias = sharded_parameter((out_features,), 0, state,
-                                          _bias_init(in_features, init_method), **kw)
+                                          _bias_init(in_features, init_method), stacked=stacked,
+                                          **kw)
         else:
             self.register_parameter("bias", None)
 

@@ -5,7 +5,16 @@ Every sharded parameter carries three attributes (Megatron's names):
 tensor group) and ``partition_stride = 1``. Parameters that are replicated over
 the tensor group but see only part of the sequence under sequence parallelism
 carry ``sequence_parallel = True``: their gradients are partial sums that
-:func:`megatronapp.training.finalize_model_grads` all-reduces over the group.
+:func:`megatronapp.training.finalize_model_grads` all-reduces over the group
+(so do replicated parameters each rank applies to its own heads: the
+query/key LayerNorms, a replicated grouped-query QKV).
+
+A *stacked* parameter (the SwiGLU fc1: gate rows then up rows) is ``k``
+blocks along dim 0, each split over the tensor group, so a rank holds
+``[gate_r; up_r]`` (Megatron's layout). It carries ``partition_view`` (the
+local tensor viewed as ``[k, rows/k, ...]``) and its ``partition_dim`` is 1
+of that view: in the view's coordinates the shard is one contiguous slice,
+which is how checkpoints store and reshard it (:func:`partition_view`).
 """
 
 from __future__ import annotations
@@ -40,6 +49,17 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
+def partition_view(param: torch.Tensor) -> tuple[tuple, int | None]:
+    """(local shape to view `param` in, dim split over the tensor group in
+    that view; None when replicated). Plain sharded parameters: their own
+    shape and ``partition_dim``; stacked ones: ``[k, rows/k, ...]`` and 1."""
+    if not is_tensor_parallel(param):
+        return tuple(param.shape), None
+    view = getattr(param, "partition_view", None)
+    return (tuple(view), param.partition_dim) if view is not None else \
+        (tuple(param.shape), param.partition_dim)
+
+
 def sharded_parameter(
     full_shape: tuple,
     partition_dim: int | None,
@@ -47,6 +67,7 @@ def sharded_parameter(
     init_method: Callable[[torch.Tensor], None],
     dtype: torch.dtype | None = None,
     device=None,
+    stacked: int = 1,
 ) -> torch.nn.Parameter:
     """This rank's slice of a parameter split along `partition_dim` over the
     tensor group (None: replicated, the whole tensor).
@@ -54,9 +75,26 @@ def sharded_parameter(
     The full (master) tensor is initialized on the CPU with the global RNG and
     sliced: every rank draws the same full tensor (seed them identically), so a
     model is the same function for every tensor-parallel size. Split parameters
-    get the tensor_model_parallel / partition_dim / partition_stride attributes."""
+    get the tensor_model_parallel / partition_dim / partition_stride attributes.
+
+    ``stacked=k`` (with ``partition_dim=0``): dim 0 is k equal blocks, each
+    split over the group (module docstring)."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
+    if stacked > 1:
+        if partition_dim != 0 or full_shape[0] % (stacked * state.tp_size):
+            raise ValueError(f"a stacked parameter of shape {tuple(full_shape)}: dim 0 must be "
+                             f"{stacked} blocks each divisible by the tensor-parallel size "
+                             f"{state.tp_size}")
+        view = full.view(stacked, full_shape[0] // stacked, *full_shape[1:])
+        local = view.chunk(state.tp_size, dim=1)[state.tp_rank].reshape(
+            full_shape[0] // state.tp_size, *full_shape[1:])
+        param = torch.nn.Parameter(local.to(dtype=dtype or torch.get_default_dtype(),
+                                            device=device))
+        set_tensor_model_parallel_attributes(param, 1)
+        param.partition_view = (stacked, full_shape[0] // stacked // state.tp_size,
+                                *full_shape[1:])
+        return param
     if partition_dim is not None:
         # clone, not contiguous(): a row slice is already contiguous, and a view
         # would keep the whole tensor alive on every rank.
@@ -72,7 +110,10 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, state: ParallelSt
     """This rank's slice of `full` for the (possibly sharded) parameter `param`."""
     if not is_tensor_parallel(param):
         return full
-    return full.chunk(state.tp_size, dim=param.partition_dim)[state.tp_rank]
+    view, dim = partition_view(param)
+    gview = list(view)
+    gview[dim] *= state.tp_size
+    return full.reshape(gview).chunk(state.tp_size, dim=dim)[state.tp_rank].reshape(param.shape)
 
 
 @torch.no_grad()
@@ -104,7 +145,10 @@ def gather_full_state_dict(
     out = {}
     for name, p in module.named_parameters():
         if is_tensor_parallel(p):
-            out[name] = _collectives.all_gather(p.detach(), p.partition_dim, state.tensor_group).clone()
+            view, dim = partition_view(p)
+            full = _collectives.all_gather(p.detach().reshape(view).contiguous(), dim,
+                                           state.tensor_group)
+            out[name] = full.reshape(-1, *p.shape[1:]).clone()
         else:
             out[name] = p.detach().clone()
     return out

@@ -142,6 +142,66 @@ class ModelConfig:
         "unfused/local compute scores, softmax and dropout as separate ops (Megatron's local "
         "attention, what selective recomputation saves most on)",
         choices=("auto", "flash", "fused", "unfused", "local"))
+    # ---- the block: Megatron-LM's flags (defaults: the GPT-2 block) ----
+    normalization: str = _flag("LayerNorm", "LayerNorm or RMSNorm (Llama, Qwen, Mixtral)",
+                               choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = _flag(1e-5, "epsilon of every LayerNorm / RMSNorm")
+    swiglu: bool = _flag(False, "gated MLP silu(x W_gate) * (x W_up) (experts too); with "
+                         "--ffn-hidden-size the width of each of the two")
+    position_embedding_type: str = _flag(
+        "learned_absolute", "learned_absolute (GPT-2), rope (rotary, on queries and keys) or "
+        "none", choices=("learned_absolute", "rope", "none"))
+    rotary_base: int = _flag(10000, "RoPE base (Llama-3: 500000, Qwen2: 1000000)")
+    rotary_percent: float = _flag(1.0, "fraction of each head's channels RoPE rotates")
+    rotary_interleaved: bool = _flag(False, "RoPE on channel pairs (2i, 2i+1) instead of "
+                                     "(i, i + d/2)")
+    use_rope_scaling: bool = _flag(False, "Llama-3.1's RoPE frequency scaling")
+    rope_scaling_factor: float = _flag(8.0, "factor of --use-rope-scaling")
+    group_query_attention: bool = _flag(False, "grouped-query attention (--num-query-groups)")
+    num_query_groups: int = _flag(1, "key/value heads with --group-query-attention")
+    kv_channels: int | None = _flag(None, "channels per attention head (default hidden / "
+                                    "heads)", metavar="N")
+    disable_bias_linear: bool = _flag(False, "no biases in the attention and MLP linears")
+    add_qkv_bias: bool = _flag(False, "a QKV bias even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = _flag(False, "normalize each query and key head (Qwen3)")
+
+    def block_kwargs(self) -> dict:
+        """The GPTConfig fields of the block flags."""
+        return dict(
+            normalization=self.normalization, layernorm_epsilon=self.norm_epsilon,
+            swiglu=self.swiglu, position_embedding_type=self.position_embedding_type,
+            rotary_base=float(self.rotary_base), rotary_percent=self.rotary_percent,
+            rotary_interleaved=self.rotary_interleaved, use_rope_scaling=self.use_rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
+            num_query_groups=self.num_query_groups if self.group_query_attention else None,
+            kv_channels=self.kv_channels, add_bias_linear=not self.disable_bias_linear,
+            add_qkv_bias=self.add_qkv_bias, qk_layernorm=self.qk_layernorm)
+
+
+#: model flags a checkpoint fixes: {flag field: (GPTConfig field, GPTConfig
+#: value -> flag value)}; `--load` adopts them unless given, and a given flag
+#: that disagrees is an error naming both values
+ARCHITECTURE_FLAGS = {
+    "num_layers": ("num_layers", None), "hidden_size": ("hidden_size", None),
+    "num_attention_heads": ("num_attention_heads", None),
+    "ffn_hidden_size": ("ffn_hidden_size", None),
+    "untie_embeddings_and_output_weights": ("share_embeddings_and_output_weights",
+                                            lambda v: not v),
+    "normalization": ("normalization", None), "norm_epsilon": ("layernorm_epsilon", None),
+    "swiglu": ("swiglu", None), "position_embedding_type": ("position_embedding_type", None),
+    "rotary_base": ("rotary_base", lambda v: int(v) if float(v).is_integer() else v),
+    "rotary_percent": ("rotary_percent", None), "rotary_interleaved": ("rotary_interleaved", None),
+    "use_rope_scaling": ("use_rope_scaling", None),
+    "rope_scaling_factor": ("rope_scaling_factor", None),
+    "kv_channels": ("kv_channels", None),
+    "disable_bias_linear": ("add_bias_linear", lambda v: not v),
+    "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
+    "num_experts": ("num_experts", None), "moe_ffn_hidden_size": ("moe_ffn_hidden_size", None),
+    "moe_layer_freq": ("moe_layer_freq", lambda v: str(v).replace(" ", "")),
+    "moe_router_topk": ("moe_router_topk", None),
+    "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", None),
+    "moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor", None),
+}
 
 
 @dataclass
@@ -178,6 +238,11 @@ class MoEConfig:
     moe_dispatch_compression: str = _flag(
         "none", "send dispatched tokens as int8[:block] (block-scaled, ~1/4 of the fp32 bytes) "
         "or bf16/fp16; the combine stays in full precision", metavar="SPEC")
+    moe_shared_expert_intermediate_size: int | None = _flag(
+        None, "shared experts: a dense MLP of this width every MoE layer adds to its routed "
+        "experts (DeepSeek, Qwen-MoE)", metavar="N")
+    moe_router_topk_scaling_factor: float | None = _flag(
+        None, "multiply the top-k routing weights by this (DeepSeek-V3: 2.5)", metavar="F")
 
     def layer_freq(self):
         """--moe-layer-freq as an int or a list of 0/1."""
@@ -454,9 +519,11 @@ class Config:
                 f"--global-batch-size {o.global_batch_size} is not divisible by "
                 f"--micro-batch-size {o.micro_batch_size} x data-parallel size {dp}")
         microbatches = o.global_batch_size // (o.micro_batch_size * dp)
-        if m.hidden_size % m.num_attention_heads:
+        if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
             raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
-                              f"--num-attention-heads {m.num_attention_heads}")
+                              f"--num-attention-heads {m.num_attention_heads} (set --kv-channels "
+                              "to decouple the head size)")
+        self._check_block(tp)
         if m.num_attention_heads % tp:
             raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible "
                               f"by --tensor-model-parallel-size {tp}")
@@ -570,7 +637,27 @@ class Config:
             GPTConfig(vocab_size=128, hidden_size=self.model.hidden_size,
                       num_layers=self.model.num_layers,
                       num_attention_heads=self.model.num_attention_heads,
-                      **self.moe_model_kwargs())
+                      **self.model.block_kwargs(), **self.moe_model_kwargs())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_block(self, tp: int) -> None:
+        m = self.model
+        if m.group_query_attention:
+            ng = m.num_query_groups
+            if ng < 1 or m.num_attention_heads % ng:
+                raise ConfigError(f"--num-query-groups {ng} must divide --num-attention-heads "
+                                  f"{m.num_attention_heads}")
+            if ng % tp and tp % ng:
+                raise ConfigError(f"--num-query-groups {ng} and --tensor-model-parallel-size "
+                                  f"{tp}: one must divide the other (query groups are split "
+                                  "over the tensor ranks, or each is replicated over tp / groups "
+                                  "ranks)")
+        try:
+            from ..models.gpt import GPTConfig
+
+            GPTConfig(vocab_size=128, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                      num_attention_heads=m.num_attention_heads, **m.block_kwargs())
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -592,7 +679,9 @@ class Config:
             moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
             moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-            moe_dispatch_compression=moe.moe_dispatch_compression)
+            moe_dispatch_compression=moe.moe_dispatch_compression,
+            moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
+            moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor)
 
     def _check_data(self) -> None:
         from ..data.gpt_dataset import parse_data_path, parse_split

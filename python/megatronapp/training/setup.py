@@ -284,7 +284,7 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
         recompute_num_layers=config.recompute.recompute_num_layers,
         distribute_saved_activations=config.recompute.distribute_saved_activations,
         cp_comm_type=config.parallel.cp_comm_type,
-        **config.moe_model_kwargs())
+        **m.block_kwargs(), **config.moe_model_kwargs())
 
 
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,

@@ -1,0 +1,588 @@
+"""Hugging Face checkpoints in and out (Llama, Qwen2, Qwen3, Mixtral).
+
+    python -m megatronapp.convert import-hf --hf-dir D --output DIR \\
+        [--tensor-model-parallel-size N --pipeline-model-parallel-size P \\
+         --expert-model-parallel-size E]
+    python -m megatronapp.convert export-hf --load DIR --output D
+
+``import-hf`` writes our checkpoint format (``megatronapp.checkpoint``:
+safetensors files with CRC-32s, ``metadata.json``, ``latest``) with the
+architecture as the checkpoint's model config, so ``pretrain_gpt.py --load
+DIR`` continues training from it with no architecture flag given (a given
+flag that disagrees is an error naming both values) and ``python -m
+megatronapp.scope serve --checkpoint DIR`` generates from it. The files are
+laid out for the (tp, pp, ep) given: one file per model-parallel rank holding
+that rank's shards, which that layout reads in place; any other layout
+reshards on load.
+
+Streamed: ``import-hf`` builds one output file at a time from slices of the
+Hugging Face tensors (``safe_open(...).get_slice``): peak memory is one
+rank's shard of the model. ``export-hf`` assembles one layer at a time from
+the stored pieces (the checkpoint loader's positioned reads) and writes
+Hugging Face shards of at most ``--max-shard-size``. Import then export gives
+back every tensor bit for bit (the stored dtype is kept).
+
+Layouts (Megatron's): the fused QKV rows are ``[group, (its query heads, key,
+value), head_dim]``; the SwiGLU fc1 (and every expert's) is ``[gate; up]``,
+viewed as ``[2, ffn, hidden]`` so that a tensor-parallel shard is a
+contiguous slice. Hugging Face's q/k rows are in the rotate-half order our
+RoPE uses, so they need no permutation; a model trained with
+``--rotary-interleaved`` is permuted into it on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from ..checkpoint.format import CheckpointError, fsync_dir, write
+
+__all__ = ["import_hf", "export_hf", "ConversionError", "FAMILIES", "config_from_hf",
+           "hf_config_from"]
+
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
+
+
+class ConversionError(ValueError):
+    """An input the converter cannot use (says what and how to fix it)."""
+
+
+# ---- configs ----------------------------------------------------------------------------------
+def _rope(hf: dict) -> dict:
+    """Our RoPE fields from a config.json (transformers 4's rope_theta /
+    rope_scaling or 5's rope_parameters)."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    out = {"rotary_base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+           "rotary_percent": float(params.get("partial_rotary_factor",
+                                              hf.get("partial_rotary_factor", 1.0)))}
+    if kind == "llama3":
+        out.update(use_rope_scaling=True, rope_scaling_factor=float(params["factor"]),
+                   rope_scaling_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   rope_scaling_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                   rope_scaling_original_max_position=int(
+                       params.get("original_max_position_embeddings", 8192)))
+    elif kind != "default":
+        raise ConversionError(f"RoPE type {kind!r} is not supported (default and llama3 are)")
+    return out
+
+
+def config_from_hf(hf: dict) -> dict:
+    """GPTConfig fields of a Hugging Face config.json (one of FAMILIES)."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in FAMILIES:
+        raise ConversionError(f"architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(FAMILIES)}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"{arch} with hidden_act {act!r}: only silu (SwiGLU) is supported")
+    if hf.get("mlp_bias") or (arch == "LlamaForCausalLM" and hf.get("attention_bias")):
+        raise ConversionError(f"{arch} with attention_bias / mlp_bias is not supported")
+    if hf.get("use_sliding_window"):
+        raise ConversionError(f"{arch} with use_sliding_window is not supported")
+    heads = hf["num_attention_heads"]
+    cfg = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        seq_length=hf.get("max_position_embeddings", 4096),
+        normalization="RMSNorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+        add_qkv_bias=arch == "Qwen2ForCausalLM", qk_layernorm=arch == "Qwen3ForCausalLM",
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=float(hf.get("initializer_range", 0.02)), **_rope(hf))
+    if arch == "MixtralForCausalLM":
+        cfg.update(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
+                   moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
+                   moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    return cfg
+
+
+def _family(cfg: dict) -> str:
+    unsupported = []
+    if cfg.get("normalization") != "RMSNorm":
+        unsupported.append("--normalization LayerNorm")
+    if not cfg.get("swiglu"):
+        unsupported.append("a GELU MLP (no --swiglu)")
+    if cfg.get("position_embedding_type") != "rope":
+        unsupported.append(f"--position-embedding-type {cfg.get('position_embedding_type')}")
+    if cfg.get("add_bias_linear", True):
+        unsupported.append("linear biases (no --disable-bias-linear)")
+    if cfg.get("num_experts"):
+        if cfg.get("moe_shared_expert_intermediate_size") or cfg.get(
+                "moe_router_topk_scaling_factor") or cfg.get(
+                "moe_router_score_function", "softmax") != "softmax" or cfg.get("qk_layernorm") \
+                or cfg.get("add_qkv_bias") or cfg.get("moe_layer_freq", 1) not in (1, [1] * cfg[
+                    "num_layers"]):
+            unsupported.append("an MoE other than Mixtral's (shared experts, sigmoid or scaled "
+                               "routing, dense layers, QK norm or QKV bias)")
+        family = "MixtralForCausalLM"
+    elif cfg.get("qk_layernorm"):
+        family = "Qwen3ForCausalLM"
+        if cfg.get("add_qkv_bias"):
+            unsupported.append("--qk-layernorm with --add-qkv-bias")
+    elif cfg.get("add_qkv_bias"):
+        family = "Qwen2ForCausalLM"
+    else:
+        family = "LlamaForCausalLM"
+    if unsupported:
+        raise ConversionError("this checkpoint has no Hugging Face equivalent among "
+                              f"{', '.join(FAMILIES)}: {'; '.join(unsupported)}")
+    return family
+
+
+def hf_config_from(cfg: dict, dtype: str = "float32") -> dict:
+    """A Hugging Face config.json for our model config `cfg`."""
+    family = _family(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.get("rotary_base", 10000.0)}
+    if cfg.get("use_rope_scaling"):
+        rope = {"rope_type": "llama3", "rope_theta": cfg.get("rotary_base", 10000.0),
+                "factor": cfg.get("rope_scaling_factor", 8.0),
+                "low_freq_factor": cfg.get("rope_scaling_low_freq_factor", 1.0),
+                "high_freq_factor": cfg.get("rope_scaling_high_freq_factor", 4.0),
+                "original_max_position_embeddings": cfg.get(
+                    "rope_scaling_original_max_position", 8192)}
+    if cfg.get("rotary_percent", 1.0) != 1.0:
+        rope["partial_rotary_factor"] = cfg["rotary_percent"]
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral"}[family]
+    hf = {"architectures": [family], "model_type": model_type,
+          "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+          "intermediate_size": cfg.get("moe_ffn_hidden_size") if cfg.get("num_experts")
+          else cfg["ffn_hidden_size"],
+          "num_hidden_layers": cfg["num_layers"], "num_attention_heads": cfg["num_attention_heads"],
+          "num_key_value_heads": cfg.get("num_query_groups") or cfg["num_attention_heads"],
+          "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // cfg["num_attention_heads"],
+          "hidden_act": "silu", "max_position_embeddings": cfg.get("seq_length", 4096),
+          "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+          "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
+          "initializer_range": cfg.get("init_method_std", 0.02),
+          "rope_parameters": rope, "rope_theta": rope["rope_theta"],
+          "attention_dropout": 0.0, "dtype": dtype, "torch_dtype": dtype, "use_cache": True}
+    if rope["rope_type"] != "default":
+        hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if family == "LlamaForCausalLM":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if family == "MixtralForCausalLM":
+        hf.update(num_local_experts=cfg["num_experts"], num_experts_per_tok=cfg["moe_router_topk"],
+                  router_aux_loss_coef=cfg.get("moe_aux_loss_coeff", 0.0))
+    if family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_layers"])
+    return hf
+
+
+def _full_config(cfg: dict) -> dict:
+    """`cfg` completed with every GPTConfig default (the checkpoint's model config)."""
+    from ..models.gpt import GPTConfig
+
+    try:
+        return dataclasses.asdict(GPTConfig(**cfg))
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"the Hugging Face config maps to an invalid model: {e}") from None
+
+
+# ---- the tensor map ---------------------------------------------------------------------------
+def _hf_layer_names(cfg: dict, i: int, qkv_bias: bool) -> dict:
+    """{our global name: [Hugging Face names it is fused from]} of layer i."""
+    p = f"model.layers.{i}."
+    out = {f"layers.{i}.ln1.weight": [p + "input_layernorm.weight"],
+           f"layers.{i}.ln2.weight": [p + "post_attention_layernorm.weight"],
+           f"layers.{i}.attn.qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+           f"layers.{i}.attn.proj.weight": [p + "self_attn.o_proj.weight"]}
+    if qkv_bias:
+        out[f"layers.{i}.attn.qkv.bias"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if cfg.get("qk_layernorm"):
+        out[f"layers.{i}.attn.q_layernorm.weight"] = [p + "self_attn.q_norm.weight"]
+        out[f"layers.{i}.attn.k_layernorm.weight"] = [p + "self_attn.k_norm.weight"]
+    if cfg.get("num_experts"):
+        out[f"layers.{i}.mlp.router.weight"] = [p + "block_sparse_moe.gate.weight"]
+        for e in range(cfg["num_experts"]):
+            q = p + f"block_sparse_moe.experts.{e}."
+            out[f"layers.{i}.mlp.experts.experts.{e}.fc1"] = [q + "w1.weight", q + "w3.weight"]
+            out[f"layers.{i}.mlp.experts.experts.{e}.fc2"] = [q + "w2.weight"]
+    else:
+        out[f"layers.{i}.mlp.fc1.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        out[f"layers.{i}.mlp.fc2.weight"] = [p + "mlp.down_proj.weight"]
+    return out
+
+
+class _Layout:
+    """Where each global tensor lives under (tp, pp, ep): its shape (in the
+    partition view checkpoints use), the dim split over the tensor group (None:
+    replicated), its pipeline stage and its expert-parallel rank."""
+
+    def __init__(self, cfg: dict, tp: int, pp: int, ep: int):
+        from ..pipeline.layout import layer_layout
+
+        self.cfg, self.tp, self.pp, self.ep = cfg, tp, pp, ep
+        h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_channels"]
+        ng, L = cfg["num_query_groups"], cfg["num_layers"]
+        problems = []
+        for what, n in (("vocab_size", cfg["vocab_size"]), ("num_attention_heads", heads),
+                        ("ffn_hidden_size", cfg["ffn_hidden_size"])):
+            if n % tp:
+                problems.append(f"{what} {n} is not divisible by the tensor-parallel size {tp}")
+        if ng % tp and (tp % ng or heads % tp):
+            problems.append(f"num_key_value_heads {ng} and the tensor-parallel size {tp}: one "
+                            "must divide the other")
+        if cfg.get("num_experts"):
+            if cfg["num_experts"] % ep:
+                problems.append(f"num_local_experts {cfg['num_experts']} is not divisible by the "
+                                f"expert-parallel size {ep}")
+            if cfg["moe_ffn_hidden_size"] % tp:
+                problems.append(f"the expert width {cfg['moe_ffn_hidden_size']} is not divisible "
+                                f"by the tensor-parallel size {tp}")
+        elif ep > 1:
+            problems.append(f"--expert-model-parallel-size {ep} needs an MoE model (this one is "
+                            "dense)")
+        if L < pp:
+            problems.append(f"{L} layers cannot fill {pp} pipeline stages")
+        if problems:
+            raise ConversionError("the model does not divide the layout: " + "; ".join(problems)
+                                  + ". Pick sizes that divide it (or import at tp=pp=ep=1 and "
+                                  "let --load reshard)")
+        counts = layer_layout(L, pp, 1)
+        self.stage_of_layer = [s for s, n in enumerate(counts) for _ in range(n)]
+        self.qkv_split = ng % tp == 0
+        self.d, self.h, self.heads, self.ng = d, h, heads, ng
+
+    def place(self, name: str, shape: list) -> tuple:
+        """(view shape, tp dim in it or None, pipeline stage, ep rank or None)."""
+        import re
+
+        cfg = self.cfg
+        stage = 0
+        if name.startswith("layers."):
+            stage = self.stage_of_layer[int(name.split(".")[1])]
+        elif name in ("final_layernorm.weight", "output_layer.weight"):
+            stage = self.pp - 1
+        expert = re.search(r"\.mlp\.experts\.experts\.(\d+)\.(fc1|fc2)$", name)
+        ep_rank = int(expert.group(1)) // (cfg["num_experts"] // self.ep) if expert else None
+        view, dim = list(shape), None
+        if name in ("word_embeddings.weight", "output_layer.weight"):
+            dim = 0
+        elif name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
+            dim = 0 if self.qkv_split else None
+        elif name.endswith((".attn.proj.weight", ".mlp.fc2.weight")) or (
+                expert and expert.group(2) == "fc2"):
+            dim = 1
+        elif name.endswith(".mlp.fc1.weight") or (expert and expert.group(2) == "fc1"):
+            view, dim = [2, shape[0] // 2, *shape[1:]], 1  # [gate; up], split along the width
+        return view, dim, stage, ep_rank
+
+
+# ---- Hugging Face files -----------------------------------------------------------------------
+class _HFFiles:
+    """The safetensors files of a Hugging Face directory, opened lazily."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        self.dir, self._open, self.handles = directory, safe_open, {}
+        index = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = json.load(f)["weight_map"]
+            missing = sorted({f for f in self.where.values()
+                              if not os.path.exists(os.path.join(directory, f))})
+            if missing:
+                raise ConversionError(f"{directory}: shard(s) {', '.join(missing)} named by "
+                                      "model.safetensors.index.json are missing")
+        elif os.path.exists(single):
+            with safe_open(single, framework="pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        elif any(n.endswith(".bin") for n in os.listdir(directory)):
+            raise ConversionError(f"{directory}: only safetensors checkpoints are supported "
+                                  "(re-save with save_pretrained(..., safe_serialization=True))")
+        else:
+            raise ConversionError(f"{directory}: no model.safetensors or "
+                                  "model.safetensors.index.json")
+
+    def slice(self, name: str):
+        if name not in self.where:
+            raise ConversionError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        fname = self.where[name]
+        if fname not in self.handles:
+            self.handles[fname] = self._open(os.path.join(self.dir, fname), framework="pt")
+        return self.handles[fname].get_slice(name)
+
+    def shape(self, name: str) -> list:
+        return list(self.slice(name).get_shape())
+
+    def close(self):
+        self.handles.clear()
+
+
+def _read_part(hf: _HFFiles, lay: _Layout, name: str, sources: list, dim, lo: int, hi: int):
+    """Our tensor `name` in its view, or [lo, hi) of it along `dim` (None:
+    whole), read from slices of the Hugging Face tensors it is fused from."""
+    if name.endswith(("qkv.weight", "qkv.bias")):  # [group, (queries, key, value), d]
+        d, ng, qpg = lay.d, lay.ng, lay.heads // lay.ng
+        per = (qpg + 2) * d
+        g0, g1 = (0, ng) if dim is None else (lo // per, hi // per)
+        q, k, v = (hf.slice(s) for s in sources)
+        parts = []
+        for g in range(g0, g1):
+            parts += [q[g * qpg * d:(g + 1) * qpg * d], k[g * d:(g + 1) * d],
+                      v[g * d:(g + 1) * d]]
+        return torch.cat(parts, 0)
+    if len(sources) == 2:  # [gate; up] viewed [2, f, h], split along f
+        gate, up = (hf.slice(s) for s in sources)
+        if dim is None:
+            lo, hi = 0, hf.shape(sources[0])[0]
+        return torch.stack([gate[lo:hi], up[lo:hi]], 0)
+    src = hf.slice(sources[0])
+    if dim is None:
+        return src[:]
+    return src[lo:hi] if dim == 0 else src[:, lo:hi]
+
+
+def _our_tensors(cfg: dict, hf: _HFFiles) -> dict:
+    """{our global name: (HF source names, global shape in our natural layout)}."""
+    h, d = cfg["hidden_size"], cfg["kv_channels"]
+    heads, ng = cfg["num_attention_heads"], cfg["num_query_groups"]
+    qkv_bias = cfg.get("add_qkv_bias") or cfg.get("add_bias_linear")
+    out = {"word_embeddings.weight": (["model.embed_tokens.weight"], None)}
+    for i in range(cfg["num_layers"]):
+        for n, srcs in _hf_layer_names(cfg, i, qkv_bias).items():
+            out[n] = (srcs, None)
+    out["final_layernorm.weight"] = (["model.norm.weight"], None)
+    if not cfg["share_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = (["lm_head.weight"], None)
+    for n, (srcs, _) in list(out.items()):
+        shapes = [hf.shape(s) for s in srcs]
+        if n.endswith("qkv.weight"):
+            want = [[heads * d, h], [ng * d, h], [ng * d, h]]
+        elif n.endswith("qkv.bias"):
+            want = [[heads * d], [ng * d], [ng * d]]
+        else:
+            want = None
+        if want is not None and shapes != want:
+            raise ConversionError(f"{srcs}: shapes {shapes}, expected {want} from config.json")
+        shape = [sum(s[0] for s in shapes), *shapes[0][1:]]
+        out[n] = (srcs, shape)
+    return out
+
+
+def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
+              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> str:
+    """Converts a Hugging Face checkpoint directory into our checkpoint format
+    at `output` (see the module docstring); returns the checkpoint path."""
+    from ..checkpoint import FORMAT_VERSION
+
+    cpath = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(cpath):
+        raise ConversionError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    with open(cpath) as f:
+        hf_cfg = json.load(f)
+    cfg = _full_config(config_from_hf(hf_cfg))
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, \
+        expert_model_parallel_size
+    for flag, n in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--expert-model-parallel-size", ep)):
+        if n < 1:
+            raise ConversionError(f"{flag} must be >= 1, got {n}")
+    lay = _Layout(cfg, tp, pp, ep)
+    hf = _HFFiles(hf_dir)
+    tensors = _our_tensors(cfg, hf)
+    # Which model-parallel rank file holds each piece.
+    files: dict = {}
+    for name, (srcs, shape) in tensors.items():
+        view, dim, stage, ep_rank = lay.place(name, shape)
+        eps = [ep_rank] if ep_rank is not None else [0]
+        ranks = range(tp) if dim is not None else [0]
+        for t in ranks:
+            for e in eps:
+                files.setdefault((stage, e, t), []).append((name, srcs, view, dim, t))
+    name = "iter_0000000"
+    tmp, final = os.path.join(output, f".tmp.{name}"), os.path.join(output, name)
+    os.makedirs(output, exist_ok=True)
+    if os.path.exists(final):
+        raise ConversionError(f"{final} exists: choose an empty --output directory")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    pieces = []
+    for i, key in enumerate(sorted(files)):
+        fname = f"rank{i}.safetensors"
+        out = {}
+        for tname, srcs, view, dim, t in files[key]:
+            if dim is None:
+                part = _read_part(hf, lay, tname, srcs, None, 0, 0)
+                tp_slice, local = None, view
+            else:
+                n = view[dim] // tp
+                lo, hi = t * n, (t + 1) * n
+                part = _read_part(hf, lay, tname, srcs, dim, lo, hi)
+                tp_slice = [dim, lo, hi]
+                local = list(view)
+                local[dim] = n
+            part = part.reshape(local).contiguous()
+            k = f"model/{tname}"
+            out[k] = part
+            pieces.append({"name": tname, "kind": "param", "global_shape": list(view),
+                           "dtype": str(part.dtype), "tp_slice": tp_slice,
+                           "flat": [0, part.numel()], "file": fname, "key": k})
+        write(os.path.join(tmp, fname), out, {"rank": i, "iteration": 0, "source": "import-hf"})
+        out.clear()
+    hf.close()
+    meta = {"format": FORMAT_VERSION, "iteration": 0, "config": cfg,
+            "extra": {"consumed_samples": 0, "imported_from": os.path.abspath(hf_dir),
+                      "hf_architecture": hf_cfg["architectures"][0]},
+            "parallel": {"world": 0, "tp": tp, "pp": pp, "dp": 1, "ep": ep, "cp": 1, "vpp": 1,
+                         "source": "import-hf"},
+            "pieces": pieces, "ddp": {}}
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    with open(os.path.join(output, "latest"), "w") as f:
+        f.write(name + "\n")
+    fsync_dir(output)
+    return final
+
+
+# ---- export -----------------------------------------------------------------------------------
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def _deinterleave(w: torch.Tensor, heads: int, d: int, rot: int) -> torch.Tensor:
+    """Rows of `heads` heads from the interleaved RoPE pairing (2i, 2i+1) to
+    the rotate-half one (i, i + rot/2): the same attention scores."""
+    w = w.reshape(heads, d, *w.shape[1:])
+    r = w[:, :rot]
+    r = torch.cat([r[:, 0::2], r[:, 1::2]], dim=1)
+    return torch.cat([r, w[:, rot:]], dim=1).reshape(heads * d, *w.shape[2:])
+
+
+def export_hf(load: str, output: str, *, dtype: str = "auto",
+              max_shard_size: int = 2 << 30) -> str:
+    """Writes the checkpoint at `load` (a directory's latest or an iter_*
+    path) as a Hugging Face model directory `output` (config.json,
+    safetensors shards and their index); returns `output`."""
+    from ..checkpoint import read_metadata
+    from ..checkpoint.stream import StreamLoader
+
+    if dtype not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    try:
+        found = read_metadata(load)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    if found is None:
+        raise ConversionError(f"--load {load}: no checkpoint there")
+    path, meta = found
+    cfg = meta.get("config") or {}
+    if "hidden_size" not in cfg or "vocab_size" not in cfg:
+        raise ConversionError(f"{path}: its metadata has no GPT model config")
+    cfg = _full_config({k: v for k, v in cfg.items() if k in _gpt_fields()})
+    _family(cfg)  # an error now, before anything is written
+    params = {}
+    for pc in meta["pieces"]:
+        if pc["kind"] == "param":
+            params.setdefault(pc["name"], (pc["global_shape"], pc["dtype"]))
+    want = _DTYPES[dtype]
+    stored = {d for _, d in params.values()}
+    out_dtype = want or (getattr(torch, next(iter(stored)).replace("torch.", ""))
+                         if len(stored) == 1 else torch.float32)
+    os.makedirs(output, exist_ok=True)
+    d = cfg["kv_channels"]
+    heads, ng = cfg["num_attention_heads"], cfg["num_query_groups"]
+    rot = int(d * cfg["rotary_percent"])
+    rot -= rot % 2
+    qkv_bias = cfg["add_qkv_bias"] or cfg["add_bias_linear"]
+    groups = [["word_embeddings.weight"]]
+    groups += [[n for n in _hf_layer_names(cfg, i, qkv_bias)] for i in range(cfg["num_layers"])]
+    groups.append(["final_layernorm.weight"] + ([] if cfg["share_embeddings_and_output_weights"]
+                                                 else ["output_layer.weight"]))
+    shard, shard_bytes, index, nshard = {}, 0, {}, 0
+    written = []
+
+    def flush():
+        nonlocal shard, shard_bytes, nshard
+        if not shard:
+            return
+        nshard += 1
+        fname = f"model-{nshard:05d}.safetensors"
+        from safetensors.torch import save_file
+
+        save_file(shard, os.path.join(output, fname), metadata={"format": "pt"})
+        for k in shard:
+            index[k] = fname
+        written.append(fname)
+        shard, shard_bytes = {}, 0
+
+    for names in groups:
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ConversionError(f"{path}: no stored tensor(s) {missing[:3]} (a checkpoint of a "
+                                  "different model?)")
+        ld = StreamLoader(path, meta)
+        full = {}
+        try:
+            for n in names:
+                gshape, dt = params[n]
+                full[n] = torch.empty(gshape, dtype=getattr(torch, dt.replace("torch.", "")))
+                ld.into(n, "param", full[n], None, gshape)
+        finally:
+            ld.wait()
+        for n, t in full.items():
+            for hf_name, x in _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias):
+                x = x.to(out_dtype).contiguous()
+                shard[hf_name] = x
+                shard_bytes += x.numel() * x.element_size()
+        full.clear()
+        if shard_bytes >= max_shard_size:
+            flush()
+    flush()
+    if len(written) == 1:
+        os.replace(os.path.join(output, written[0]), os.path.join(output, "model.safetensors"))
+    else:
+        total = sum(os.path.getsize(os.path.join(output, f)) for f in written)
+        with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=2)
+    dname = str(out_dtype).replace("torch.", "")
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(hf_config_from(cfg, dname), f, indent=2)
+    return output
+
+
+def _gpt_fields() -> set:
+    from ..models.gpt import GPTConfig
+
+    return set(GPTConfig.__dataclass_fields__)
+
+
+def _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias):
+    """[(Hugging Face name, tensor)] of our global tensor `n` (its view)."""
+    if n == "word_embeddings.weight":  # tied: transformers ties lm_head to it
+        return [("model.embed_tokens.weight", t)]
+    if n == "final_layernorm.weight":
+        return [("model.norm.weight", t)]
+    if n == "output_layer.weight":
+        return [("lm_head.weight", t)]
+    i = int(n.split(".")[1])
+    srcs = _hf_layer_names(cfg, i, qkv_bias)[n]
+    if n.endswith(("qkv.weight", "qkv.bias")):
+        qpg = heads // ng
+        g = t.reshape(ng, (qpg + 2) * d, *t.shape[1:])
+        q = g[:, :qpg * d].reshape(heads * d, *t.shape[1:])
+        k = g[:, qpg * d:(qpg + 1) * d].reshape(ng * d, *t.shape[1:])
+        v = g[:, (qpg + 1) * d:].reshape(ng * d, *t.shape[1:])
+        if cfg["rotary_interleaved"]:  # to the rotate-half pairing transformers uses
+            q, k = _deinterleave(q, heads, d, rot), _deinterleave(k, ng, d, rot)
+        return list(zip(srcs, (q, k, v), strict=True))
+    if len(srcs) == 2:  # [gate; up] viewed [2, f, h]
+        return [(srcs[0], t[0]), (srcs[1], t[1])]
+    return [(srcs[0], t)]
