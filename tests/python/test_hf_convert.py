@@ -189,3 +189,67 @@ def test_bad_inputs_get_clear_errors(hf_dirs, tmp_path):
     assert "needs an MoE model" in msgs[3]
     assert "no config.json" in msgs[4]
     assert "no checkpoint" in msgs[5]
+
+
+def _tokenizer_json(path: str) -> str:
+    """A word-level tokenizer.json over the tiny models' 96 ids ('t0' ... 't94', '</s>')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(95)}
+    vocab["</s>"] = 95
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(path)
+    return path
+
+
+def test_scope_serves_an_imported_model_and_generates_what_transformers_does(hf_dirs, tmp_path):
+    """`python -m megatronapp.scope serve --checkpoint DIR` (2 ranks, TP2) with
+    the model's tokenizer.json: greedy tokens equal transformers' generate."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import transformers as tf
+    from dist_harness import free_port
+
+    hf_dir, _ = hf_dirs["llama"]
+    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2)
+    tok = _tokenizer_json(str(tmp_path / "tokenizer.json"))
+    prompt = [3, 17, 42, 8, 77]
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                              pad_token_id=95)[0, len(prompt):].tolist()
+    port, port_file = free_port(), str(tmp_path / "port")
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(tmp_path / f"serve{r}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatronapp.scope", "serve", "--port", "0", "--port-file",
+             port_file, "--checkpoint", os.path.dirname(ckpt), "--tensor-model-parallel-size", "2",
+             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok],
+            env=env, stdout=log, stderr=log))
+    try:
+        t0 = time.monotonic()
+        while not os.path.exists(port_file):
+            if time.monotonic() - t0 > 120 or any(p.poll() is not None for p in procs):
+                raise AssertionError((tmp_path / "serve0.log").read_text()[-3000:])
+            time.sleep(0.2)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{open(port_file).read()}/api/generate",
+            data=json.dumps({"prompt": " ".join(f"t{i}" for i in prompt),
+                             "max_new_tokens": 5}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            got = json.loads(r.read())
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(20)
+    assert got["tokens"][0] == prompt + want, (got["tokens"], want)  # prompt, then 5 new

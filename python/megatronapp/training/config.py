@@ -157,6 +157,10 @@ class ModelConfig:
                                      "(i, i + d/2)")
     use_rope_scaling: bool = _flag(False, "Llama-3.1's RoPE frequency scaling")
     rope_scaling_factor: float = _flag(8.0, "factor of --use-rope-scaling")
+    rope_scaling_low_freq_factor: float = _flag(1.0, "--use-rope-scaling: low-frequency factor")
+    rope_scaling_high_freq_factor: float = _flag(4.0, "--use-rope-scaling: high-frequency factor")
+    rope_scaling_original_max_position: int = _flag(
+        8192, "--use-rope-scaling: the context length the model was pretrained with")
     group_query_attention: bool = _flag(False, "grouped-query attention (--num-query-groups)")
     num_query_groups: int = _flag(1, "key/value heads with --group-query-attention")
     kv_channels: int | None = _flag(None, "channels per attention head (default hidden / "
@@ -173,6 +177,9 @@ class ModelConfig:
             rotary_base=float(self.rotary_base), rotary_percent=self.rotary_percent,
             rotary_interleaved=self.rotary_interleaved, use_rope_scaling=self.use_rope_scaling,
             rope_scaling_factor=self.rope_scaling_factor,
+            rope_scaling_low_freq_factor=self.rope_scaling_low_freq_factor,
+            rope_scaling_high_freq_factor=self.rope_scaling_high_freq_factor,
+            rope_scaling_original_max_position=self.rope_scaling_original_max_position,
             num_query_groups=self.num_query_groups if self.group_query_attention else None,
             kv_channels=self.kv_channels, add_bias_linear=not self.disable_bias_linear,
             add_qkv_bias=self.add_qkv_bias, qk_layernorm=self.qk_layernorm)
@@ -193,6 +200,9 @@ ARCHITECTURE_FLAGS = {
     "rotary_percent": ("rotary_percent", None), "rotary_interleaved": ("rotary_interleaved", None),
     "use_rope_scaling": ("use_rope_scaling", None),
     "rope_scaling_factor": ("rope_scaling_factor", None),
+    "rope_scaling_low_freq_factor": ("rope_scaling_low_freq_factor", None),
+    "rope_scaling_high_freq_factor": ("rope_scaling_high_freq_factor", None),
+    "rope_scaling_original_max_position": ("rope_scaling_original_max_position", None),
     "kv_channels": ("kv_channels", None),
     "disable_bias_linear": ("add_bias_linear", lambda v: not v),
     "add_qkv_bias": ("add_qkv_bias", None), "qk_layernorm": ("qk_layernorm", None),
@@ -459,6 +469,10 @@ class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    #: the flags a command line gave (None: built in Python, every field counts as given)
+    explicit: frozenset | None = field(default=None, repr=False, compare=False)
+    #: --load: the vocabulary rows of the checkpoint's embedding (set by the GPT task)
+    checkpoint_vocab_size: int | None = field(default=None, repr=False, compare=False)
 
     # ---- conversions ---------------------------------------------------------------
     @classmethod
@@ -472,7 +486,64 @@ class Config:
         for attr, _title, section in SECTIONS:
             sections[attr] = section(**{f.name: values[f.name]
                                         for f in dataclasses.fields(section) if f.name in values})
-        return cls(**sections)
+        return cls(**sections, explicit=values.get("_explicit_flags"))
+
+    def _effective(self, flag: str):
+        """A model flag's value with its default resolved (ffn 4 x hidden, ...)."""
+        m = self.model
+        if flag == "ffn_hidden_size" and m.ffn_hidden_size is None:
+            return 4 * m.hidden_size
+        if flag == "kv_channels" and m.kv_channels is None:
+            return m.hidden_size // m.num_attention_heads
+        if flag == "moe_ffn_hidden_size" and self.moe.moe_ffn_hidden_size is None:
+            return self._effective("ffn_hidden_size")
+        if flag == "moe_layer_freq":
+            return str(self.moe.moe_layer_freq).replace(" ", "")
+        return getattr(m if hasattr(m, flag) else self.moe, flag)
+
+    def adopt_checkpoint_architecture(self, saved: dict, where: str) -> list[str]:
+        """Takes the architecture a checkpoint's model config `saved` fixes
+        (:data:`ARCHITECTURE_FLAGS`) for every flag the command line did not
+        give; a given flag that disagrees is a :class:`ConfigError` naming
+        both values. Returns the adopted flags ("--flag value")."""
+        sections = {f.name: attr for attr, _t, sec in SECTIONS for f in dataclasses.fields(sec)}
+        adopted, conflicts = [], []
+        rope = saved.get("position_embedding_type", "learned_absolute") != "learned_absolute"
+        pairs = dict(ARCHITECTURE_FLAGS)
+        if not rope:  # a learned position table fixes the sequence length
+            pairs["seq_length"] = ("seq_length", None)
+        for flag, (key, conv) in pairs.items():
+            if key not in saved:
+                continue
+            want = saved[key] if conv is None else conv(saved[key])
+            if flag.startswith("moe_") and saved.get("num_experts") is None:
+                continue
+            section = getattr(self, sections[flag])
+            have = self._effective(flag)
+            if self.explicit is None or flag in self.explicit:
+                if have != want:
+                    conflicts.append(f"--{flag.replace('_', '-')} {have} here, {want} in the "
+                                     "checkpoint")
+            elif have != want:
+                setattr(section, flag, want)
+                adopted.append(f"--{flag.replace('_', '-')}" + (
+                    "" if want is True else f" {want}"))
+        ng = saved.get("num_query_groups")
+        if ng is not None and ng != saved.get("num_attention_heads"):
+            given = self.explicit is None or "num_query_groups" in self.explicit or \
+                "group_query_attention" in self.explicit
+            m = self.model
+            if given and (not m.group_query_attention or m.num_query_groups != ng):
+                have = m.num_query_groups if m.group_query_attention else "off"
+                conflicts.append(f"--num-query-groups {have} here, {ng} in the checkpoint")
+            elif not given:
+                m.group_query_attention, m.num_query_groups = True, ng
+                adopted.append(f"--group-query-attention --num-query-groups {ng}")
+        if conflicts:
+            raise ConfigError(f"--load {where}: the checkpoint's architecture disagrees with "
+                              "the command line: " + "; ".join(conflicts)
+                              + " (drop those flags: the checkpoint's are used)")
+        return adopted
 
     def flat(self) -> dict:
         """{flag name with underscores: value} of every field."""
@@ -784,10 +855,30 @@ def _argparse_type(annotation):
     return args[0] if args else annotation
 
 
+class _Parser(argparse.ArgumentParser):
+    """Records which flags the command line gave (``args._explicit_flags``):
+    a checkpoint's architecture fills in only the others (``--load``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        given = argparse.ArgumentParser(add_help=False)
+        for action in self._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            if action.nargs == 0:  # store_true
+                given.add_argument(*action.option_strings, dest=action.dest,
+                                   default=argparse.SUPPRESS, action="store_true")
+            else:
+                given.add_argument(*action.option_strings, dest=action.dest,
+                                   default=argparse.SUPPRESS, nargs=action.nargs)
+        seen, _ = given.parse_known_args(args)
+        ns._explicit_flags = frozenset(vars(seen))
+        return ns, rest
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The Megatron-style parser, generated from the :class:`Config` sections."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for _attr, title, section in SECTIONS:
         group = p.add_argument_group(title)
         hints = typing.get_type_hints(section)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import torch
 
-from .. import _collectives, memory
+from .. import _collectives, checkpoint, memory
 from .. import parallel_state as ps
 from ..comm import Compression
 from ..data import TextDataset, build_tokenizer, default_corpus, padded_vocab_size
@@ -75,7 +75,11 @@ class Run:
 
     def checkpoint_model_config(self) -> dict:
         """The model fields a checkpoint must agree on."""
-        return {k: getattr(self.model_config, k, None) for k in (self.task or GPT).checkpoint_keys}
+        keys = (self.task or GPT).checkpoint_keys
+        cfg = {k: getattr(self.model_config, k, None) for k in keys}
+        if getattr(self.model_config, "position_embedding_type", None) in ("rope", "none"):
+            cfg.pop("seq_length", None)  # no position table: any sequence length continues
+        return cfg
 
     @property
     def is_logger(self) -> bool:
@@ -91,10 +95,39 @@ class GPTTask:
     #: the model-config fields a checkpoint must agree on
     checkpoint_keys = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                        "seq_length", "ffn_hidden_size", "share_embeddings_and_output_weights",
-                       "num_experts", "moe_ffn_hidden_size", "moe_layer_freq")
+                       "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                       # the block (Llama / Qwen / Mixtral flags)
+                       "normalization", "layernorm_epsilon", "swiglu", "position_embedding_type",
+                       "rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling",
+                       "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                       "rope_scaling_high_freq_factor", "rope_scaling_original_max_position",
+                       "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
+                       "qk_layernorm", "moe_router_topk", "moe_shared_expert_intermediate_size",
+                       "moe_router_topk_scaling_factor")
 
     def check(self, config: Config, plan: Plan) -> None:
         """Family-specific flag checks (every rank, before any collective)."""
+
+    def adopt_checkpoint(self, config: Config) -> None:
+        """--load DIR: the architecture flags not given come from the
+        checkpoint's model config (an imported Hugging Face model needs none);
+        a given flag that disagrees is an error naming both values."""
+        if not config.checkpoint.load:
+            return
+        try:
+            found = checkpoint.read_metadata(config.checkpoint.load)
+        except checkpoint.CheckpointError as e:
+            raise SystemExit(f"--load {config.checkpoint.load}: {e}") from None
+        if found is None or not (found[1].get("config") or {}).get("hidden_size"):
+            return
+        path, meta = found
+        try:
+            adopted = config.adopt_checkpoint_architecture(meta["config"], path)
+        except ConfigError as e:
+            raise SystemExit(str(e)) from None
+        config.checkpoint_vocab_size = meta["config"].get("vocab_size")
+        if adopted and dist.get_rank() == 0:
+            print(f"[megatronapp] from the checkpoint {path}: {' '.join(adopted)}", flush=True)
 
     def build_dataset(self, config: Config):
         return build_dataset(config)
@@ -270,9 +303,18 @@ def build_parallel_state(config: Config, *, install: bool = False) -> ParallelSt
 
 def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GPTConfig:
     m = config.model
+    vocab = padded_vocab_size(tokenizer_vocab, state.tp_size, m.make_vocab_size_divisible_by)
+    saved = getattr(config, "checkpoint_vocab_size", None)  # --load: the checkpoint's table
+    if saved is not None and saved != vocab:
+        if saved < tokenizer_vocab or saved % state.tp_size:
+            raise SystemExit(
+                f"--load: the checkpoint's vocabulary has {saved} rows, which "
+                + (f"cannot hold the tokenizer's {tokenizer_vocab} ids" if saved < tokenizer_vocab
+                   else f"does not divide over --tensor-model-parallel-size {state.tp_size}")
+                + " (use the tokenizer the checkpoint was trained with)")
+        vocab = saved
     return GPTConfig(
-        vocab_size=padded_vocab_size(tokenizer_vocab, state.tp_size,
-                                     m.make_vocab_size_divisible_by),
+        vocab_size=vocab,
         hidden_size=m.hidden_size, num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, seq_length=m.seq_length,
         ffn_hidden_size=m.ffn_hidden_size, sequence_parallel=config.parallel.sequence_parallel,
@@ -370,6 +412,8 @@ def build_run(config: Config, hooks=(), task=None) -> Run:
     `hooks` see the grid (``on_setup``) and the bare model chunks (``on_model``)."""
     task = task or GPT
     init_distributed(config)
+    if hasattr(task, "adopt_checkpoint"):
+        task.adopt_checkpoint(config)
     plan = check_config(config)
     try:
         task.check(config, plan)
