@@ -136,6 +136,30 @@ def main():
         out.append(f"| {label} | {gh / 1e3:.0f}K | {100 * (gh / 180e3 - 1):+.1f}% | "
                    f"{100 * r['model_flops_utilization']:.1f}% | {r['iteration_s']:.1f} |")
     out.append("")
+    out.append("### Dense Llama: Llama 3 405B on 8,192 and 16,384 H100 (Llama 3 paper, Table 4)\n")
+    h100 = dc.replace(sm.H100_EOS, gemm_efficiency=hw.gemm_efficiency)
+    ll = sm.LLAMA3_405B_8192
+    out.append(f"Inputs: `scale_model.LLAMA3_405B_8192` and `H100_EOS` ({ll.parameters() / 1e9:.0f}B "
+               "parameters: 126 layers, hidden 16,384, 128 heads in 8 query groups, SwiGLU 53,248, "
+               "vocabulary 128,256; sequence 8,192, 2,048 sequences per batch, BF16, TP8 x PP16 "
+               "x DP64 (DP128 on 16,384), interleaved 1F1B with one layer per virtual stage, no "
+               "recomputation, sequence parallelism, overlapped gradients, stages balanced) and "
+               f"the matmul efficiency calibrated on GPT-3 175B ({hw.gemm_efficiency:.3f}); the "
+               "model never saw Llama's numbers. Published: 430 and 400 TFLOP/s per GPU (BF16 "
+               "model FLOPs, 43% and 41% MFU).\n")
+    out.append("| GPUs | variant | predicted TFLOP/s per GPU | vs published | bubble | s/iter |")
+    out.append("|---|---|---|---|---|---|")
+    for gpus, pub in ((8192, 430.0), (16384, 400.0)):
+        for label, kw in (("as assumed (reproduction)", {}),
+                          ("selective recomputation", {"recompute": "selective"}),
+                          ("2 layers per virtual stage (vpp 4)", {"vpp": 4}),
+                          ("1F1B without virtual stages", {"vpp": 1})):
+            job = dc.replace(sm.gpus_for(ll, gpus), **kw)
+            r = sm.predict(job, h100)
+            got = r["model_flops_utilization"] * h100.peak_flops / 1e12
+            out.append(f"| {gpus:,} | {label} | {got:.0f} | {100 * (got / pub - 1):+.1f}% | "
+                       f"{100 * r['bubble_fraction']:.1f}% | {r['iteration_s']:.1f} |")
+    out.append("")
     out.append("### Predicted strong scaling by data parallelism (same global batch)\n")
     out.append("Megatron = its best schedule here (interleaved 1F1B with v=2 where the microbatch count "
                "allows, else 1F1B), bf16 gradients, "

@@ -492,6 +492,24 @@ DEEPSEEK_V3_2048 = Job(num_layers=61, hidden_size=7168, num_attention_heads=128,
                        a2a_node_copies=4 * 7 / 8, a2a_overlap=1.0, balance_stages=True)
 
 
+#: Llama 3 405B pre-training (Llama 3 paper, arXiv 2407.21783, section 3.3 and
+#: Table 4): 126 layers, hidden 16384, 128 heads with 8 key/value groups
+#: (head dim 128), SwiGLU 53248, vocabulary 128,256, sequence 8192, BF16;
+#: batch 16M tokens (2,048 sequences); 8,192 H100 as TP8 x PP16 x DP64 with
+#: the interleaved schedule (published 430 TFLOP/s per GPU, 43% MFU), and
+#: 16,384 as DP128 (400 TFLOP/s). Assumed where the paper is silent: one
+#: layer per virtual stage (vpp 8, the first and last stages one layer short,
+#: ``balance_stages``), no activation recomputation, sequence parallelism,
+#: gradients overlapped with backward.
+_LLAMA3_405B_ATTN = 16384 * (16384 + 2 * 8 * 128) + 16384 * 16384
+LLAMA3_405B_8192 = Job(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                       seq_length=8192, vocab_size=128256, tp=8, pp=16, dp=64,
+                       global_batch_size=2048, micro_batch_size=1, ffn_hidden_size=53248,
+                       gated_mlp=True, num_query_groups=8, attention_params=_LLAMA3_405B_ATTN,
+                       vpp=8, recompute=None, sequence_parallel=True, overlap_dp=True,
+                       balance_stages=True)
+
+
 #: GPT-3 175B at a long sequence (Megatron-Core's context-parallel guide
 #: compares TP+CP layouts of it with TP8CP1 under full recomputation at 16K
 #: and 32K, published 1.25x for TP8CP2 at 16K and 1.20x for TP8CP4 at 32K):

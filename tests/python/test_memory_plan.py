@@ -1,7 +1,7 @@
 """The memory planner against the pool's measured peak allocated bytes, on
 every rank of a matrix of layouts (TP, SP, 1F1B / zero-bubble / interleaved /
 dynamic, DDP / ZeRO-1, int8 codec, bf16, selective / full recomputation,
-context parallelism p2p / a2a): within 10%. Then --recompute-granularity auto and --memory-limit-gb, and the
+context parallelism p2p / a2a, the Llama block): within 10%. Then --recompute-granularity auto and --memory-limit-gb, and the
 command line."""
 
 import json
@@ -18,7 +18,12 @@ MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          "--no-progress", "--no-watchdog"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 DROP = ["--attention-backend", "local", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--ffn-hidden-size", "256"]
 MATRIX = {
+    "llama-tp2-pp2-sp-1f1b": LLAMA + TP2 + PP2 + ["--sequence-parallel"],
+    "llama-tp2-dp2-bf16-zero1": LLAMA + TP2 + ["--bf16", "--use-distributed-optimizer"],
     "tp2-dp2": TP2,
     "tp2-pp2-sp-1f1b": TP2 + PP2 + ["--sequence-parallel"],
     "pp2-dp2-zero-bubble": PP2 + ["--pipeline-schedule", "zero-bubble"],

@@ -198,3 +198,16 @@ def test_reproduces_megatron_context_parallel_speedups_within_fifteen_percent():
     assert sm.tokens_per_s(sm.context_parallel(short, 2, hw), hw) <= sm.tokens_per_s(short, hw)
     with pytest.raises(ValueError, match="does not divide"):
         sm.context_parallel(short, 3, hw)
+
+
+def test_reproduces_llama3_405b_within_fifteen_percent():
+    """Llama 3 405B (BF16 H100, Llama 3 paper Table 4): 430 TFLOP/s per GPU
+    at 8,192 GPUs, 400 at 16,384 (model FLOPs, no recomputation counted),
+    predicted with the efficiency calibrated on GPT-3 175B (A100), never on it."""
+    hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
+    h100 = dc.replace(sm.H100_EOS, gemm_efficiency=hw.gemm_efficiency)
+    job = sm.LLAMA3_405B_8192
+    assert job.parameters() == pytest.approx(405e9, rel=0.01)
+    for gpus, published in ((8192, 430.0), (16384, 400.0)):
+        got = sm.predict(sm.gpus_for(job, gpus), h100)["model_flops_utilization"] * 989
+        assert abs(got / published - 1) < 0.15, (gpus, got)

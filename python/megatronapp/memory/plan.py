@@ -138,6 +138,21 @@ class _Shape:
     schedule: str
     policy: str
     memory_limit: int | None
+    # ---- the block (Llama / Qwen / Mixtral flags; defaults: GPT-2's) ----
+    d: int = 0  #: channels per head (--kv-channels; default h / a)
+    g: int = 0  #: key/value groups (--num-query-groups; default a)
+    gate: int = 1  #: 2 with --swiglu (fc1 holds gate and up)
+    bias: bool = True  #: linear biases (not --disable-bias-linear)
+    qkv_bias: bool = True
+    rms: bool = False  #: RMSNorm: a weight, no bias, no saved mean
+    learned_pos: bool = True  #: a position table (not with rope / none)
+    rope: bool = False
+    qk_norm: bool = False
+
+    @property
+    def qkv(self) -> int:
+        """Output features of the fused QKV projection: (a + 2 g) d."""
+        return (self.a + 2 * self.g) * self.d
 
 
 def _flags(config) -> dict:
@@ -176,7 +191,16 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
     dropout = f.get("attention_dropout", 0.0)
     local = backend in ("unfused", "local") or (backend == "auto" and dropout > 0 and on_cpu)
     h = f["hidden_size"]
-    return _Shape(
+    a = f["num_attention_heads"]
+    gqa = f.get("group_query_attention") and f.get("num_query_groups")
+    block = dict(d=f.get("kv_channels") or h // a, g=f["num_query_groups"] if gqa else a,
+                 gate=2 if f.get("swiglu") else 1, bias=not f.get("disable_bias_linear"),
+                 qkv_bias=not f.get("disable_bias_linear") or bool(f.get("add_qkv_bias")),
+                 rms=f.get("normalization") == "RMSNorm",
+                 learned_pos=f.get("position_embedding_type", "learned_absolute")
+                 == "learned_absolute", rope=f.get("position_embedding_type") == "rope",
+                 qk_norm=bool(f.get("qk_layernorm")))
+    return _Shape(**block,
         tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, microbatches=f["global_batch_size"] // (b * dp),
         b=b, s=f["seq_length"] // cp, seq=f["seq_length"], h=h, a=f["num_attention_heads"],
         f=f.get("ffn_hidden_size") or 4 * h,
@@ -205,9 +229,18 @@ def _cuda_available() -> bool:
 
 def _layer_params(x: _Shape) -> tuple[int, int]:
     """(tensor-parallel, replicated) parameter elements of one layer on a rank."""
-    h, f, t = x.h, x.f, x.tp
-    sharded = (3 * h * h + 3 * h) // t + h * h // t + (f * h + f) // t + h * f // t
-    replicated = 4 * h + h + h  # two LayerNorms, the row-parallel biases
+    h, f, t, d = x.h, x.f, x.tp, x.d
+    norm = h if x.rms else 2 * h
+    qkv = x.qkv * h + (x.qkv if x.qkv_bias else 0)
+    fc1 = x.gate * f * h + (x.gate * f if x.bias else 0)
+    if x.g % t == 0:
+        sharded, replicated = qkv // t, 0
+    else:  # query groups replicated over the tensor ranks: the whole QKV on each
+        sharded, replicated = 0, qkv
+    sharded += (x.a * d * h) // t + fc1 // t + h * f // t
+    replicated += 2 * norm + (2 * h if x.bias else 0)  # two norms, the row-parallel biases
+    if x.qk_norm:
+        replicated += 2 * (d if x.rms else 2 * d)
     return sharded, replicated
 
 
@@ -220,10 +253,10 @@ def _chunk_params(x: _Shape, vs: int) -> list[tuple[int, bool]]:
     groups += [(sh * x.layers[vs], True), (rep * x.layers[vs], False)]
     if first or (last and x.tied):
         groups.append((x.vocab // x.tp * x.h, True))  # word embeddings (or the replica)
-    if first:
+    if first and x.learned_pos:
         groups.append((x.seq * x.h, False))  # positions
     if last:
-        groups.append((2 * x.h, False))  # final LayerNorm
+        groups.append(((1 if x.rms else 2) * x.h, False))  # final norm
         if not x.tied:
             groups.append((x.vocab // x.tp * x.h, True))
     return groups
@@ -239,26 +272,37 @@ def _layer_saved(x: _Shape, selective: bool) -> tuple[int, int]:
     s, b, h, f, t, e = x.s, x.b, x.h, x.f, x.tp, x.act
     sl = s // t if x.sp else s  # LayerNorm / residual region
     heads = x.a // t
-    ln = 2 * sl * b * h * e + 4 * sl * b * 4  # two LayerNorm inputs, their mean/rstd (fp32)
+    # two norm inputs and their statistics (fp32); RMSNorm also keeps its
+    # normalized output before the weight (and a float32 copy of a 16-bit input)
+    ln = 2 * sl * b * h * e + 4 * sl * b * 4
+    if x.rms:
+        ln += 2 * sl * b * h * e + (2 * sl * b * h * 4 if e != 4 else 0)
     # QKV and fc1 inputs: under sequence parallelism their sequence shard, gathered
     # again in backward (tensor_parallel.layers._SequenceParallelLinear)
     lin_in = 2 * sl * b * h * e
-    qkv = 3 * s * b * h // t * e  # kept by the core attention (q, k, v views)
-    ctx = s * b * h // t * e  # the projection's input
-    mlp = 2 * s * b * f // t * e  # fc1 output (GELU's input), GELU output (fc2's input)
+    # kept by the core attention: q, k, v (views of the QKV output; under
+    # grouped-query attention copies expanded to every query head)
+    qkv = 3 * s * b * heads * x.d * e
+    if x.g == x.a and (x.qk_norm or x.rope):  # new q and k; v keeps the QKV output alive
+        qkv += 2 * s * b * heads * x.d * e
+    ctx = s * b * heads * x.d * e  # the projection's input
+    # fc1 output (the activation's input; gate and up with SwiGLU), its output
+    # (fc2's input); SwiGLU also keeps silu(gate)
+    mlp = (x.gate + 1 + (x.gate - 1)) * s * b * f // t * e
     core = 0
     if not selective:
         if x.attention_local:
             probs = b * heads * s * s * e
             core = probs * (2 if x.attention_dropout > 0 else 1)
         else:
-            core = s * b * h // t * e + b * heads * s * 4  # SDPA's output and log-sum-exp
+            core = s * b * heads * x.d * e + b * heads * s * 4  # SDPA's output and log-sum-exp
     saved = ln + lin_in + qkv + ctx + mlp + core
     # W keeps each linear's input and the gradient of its output.
     # (The row-parallel layers' output gradient is the whole [s, b, h]: under
     # sequence parallelism it is gathered before their backward.)
-    w_residual = (s * b * h * e + s * b * 3 * h // t * e) + (s * b * h // t * e + s * b * h * e) \
-        + (s * b * h * e + s * b * f // t * e) + (s * b * f // t * e + s * b * h * e)
+    w_residual = (s * b * h * e + s * b * x.qkv // t * e) \
+        + (s * b * heads * x.d * e + s * b * h * e) \
+        + (s * b * h * e + s * b * x.gate * f // t * e) + (s * b * f // t * e + s * b * h * e)
     return saved, w_residual
 
 
@@ -267,9 +311,9 @@ def _layer_backward_working_set(x: _Shape) -> int:
     output gradients, 2 x s b f/t, and the residual stream's)."""
     s, b, h, f, t, e = x.s, x.b, x.h, x.f, x.tp, x.act
     sl = s // t if x.sp else s
-    ws = 2 * s * b * f // t * e + 2 * sl * b * h * e + s * b * h * e
+    ws = (x.gate + 1) * s * b * f // t * e + 2 * sl * b * h * e + s * b * h * e
     if x.attention_local:
-        ws = max(ws, 2 * b * (x.a // t) * s * s * e + s * b * 3 * h // t * e)
+        ws = max(ws, 2 * b * (x.a // t) * s * s * e + s * b * x.qkv // t * e)
     return ws
 
 
