@@ -66,7 +66,19 @@ $(STAMPS)/peers: $(STAMPS)/venv benchmarks/peers/requirements.txt
 	  -r benchmarks/peers/requirements.txt
 	@touch $@
 
-peers: $(STAMPS)/peers
+# Megatron-Core's newest release: its wheel is tagged for Python 3.12, its
+# sources run here; benchmarks/peers/run.py puts them first on the path of
+# the Megatron-Core configurations (the pinned package stays as a fallback).
+MCORE_LATEST := 0.19.2
+$(STAMPS)/mcore-src: $(STAMPS)/peers
+	rm -rf $(PEERS_VENV)/megatron-core-dl $(PEERS_VENV)/megatron-core-src
+	$(PEERS_VENV)/bin/python -m pip download -q --no-deps --only-binary=:all: \
+	  --python-version 3.12 -d $(PEERS_VENV)/megatron-core-dl megatron-core==$(MCORE_LATEST)
+	$(PEERS_VENV)/bin/python -m zipfile -e $(PEERS_VENV)/megatron-core-dl/megatron_core-*.whl \
+	  $(PEERS_VENV)/megatron-core-src
+	@touch $@
+
+peers: $(STAMPS)/peers $(STAMPS)/mcore-src
 
 # Incremental: scikit-build-core reuses $(BUILD_DIR); ccache covers clean rebuilds.
 build: setup

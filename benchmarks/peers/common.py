@@ -35,6 +35,17 @@ def add_workload_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for name, default in _FLOAT_FLAGS:
         p.add_argument(f"--{name}", type=float, default=default)
     p.add_argument("--data-path", default=None)
+    # The block (Megatron-LM's flags; defaults: the GPT-2 block)
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    p.add_argument("--norm-epsilon", type=float, default=1e-5)
+    p.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=("learned_absolute", "rope"))
+    p.add_argument("--rotary-base", type=int, default=10000)
+    p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--num-query-groups", type=int, default=1)
+    p.add_argument("--disable-bias-linear", action="store_true")
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true", required=True,
                    help="required: the peers' pipelines have no tied embeddings across stages")
     return p
@@ -68,7 +79,13 @@ class Workload:
                                          args.make_vocab_size_divisible_by),
             hidden_size=args.hidden_size, num_layers=args.num_layers,
             num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-            share_embeddings_and_output_weights=False)
+            share_embeddings_and_output_weights=False, ffn_hidden_size=args.ffn_hidden_size,
+            swiglu=args.swiglu, normalization=args.normalization,
+            layernorm_epsilon=args.norm_epsilon,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=float(args.rotary_base),
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            add_bias_linear=not args.disable_bias_linear)
         self.weights = reference_weights(self.cfg, args.seed)
 
     def batch(self, split: str, iteration: int):

@@ -99,12 +99,19 @@ def _reference_name(chunk, name: str) -> str:
     return f"{_TOP_NAMES[module]}.{leaf}"
 
 
-def load_reference(chunk, weights: dict, tp_rank: int, tp: int) -> None:
+def load_reference(chunk, weights: dict, tp_rank: int, tp: int, gated: bool = False) -> None:
     """Copies the full weights into this chunk, sliced along the one dimension
-    where Megatron's tensor-parallel shard is smaller than the full tensor."""
+    where Megatron's tensor-parallel shard is smaller than the full tensor
+    (a gated fc1, [gate; up], is sliced in each half: Megatron's rank holds
+    [gate_r; up_r], as ours does)."""
     with torch.no_grad():
         for name, p in chunk.named_parameters():
             full = weights[_reference_name(chunk, name)]
+            if gated and "mlp.linear_fc1" in name and tp > 1:
+                halves = full.chunk(2, dim=0)
+                n = halves[0].shape[0] // tp
+                p.copy_(torch.cat([hf[tp_rank * n:(tp_rank + 1) * n] for hf in halves]))
+                continue
             if full.shape != p.shape:
                 dims = [d for d in range(full.dim()) if full.shape[d] != p.shape[d]]
                 if len(dims) != 1 or full.shape[dims[0]] != p.shape[dims[0]] * tp:
@@ -180,7 +187,11 @@ def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, Transforme
         params_dtype=torch.float32, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=cfg.layernorm_epsilon,
         init_method_std=cfg.init_method_std,
-        activation_func=lambda x: F.gelu(x, approximate="tanh"),
+        # the block: GPT-2's by default, Llama's with the flags (as pretrain_gpt's)
+        normalization=cfg.normalization, gated_linear_unit=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear, num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        activation_func=F.silu if cfg.swiglu else (lambda x: F.gelu(x, approximate="tanh")),
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, batch_p2p_sync=False,
         # Megatron-LM's defaults: interleaved overlaps its P2P with compute
@@ -189,7 +200,7 @@ def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, Transforme
         # sends and receives even when its previous and next rank coincide
         # (pp = 2); 1F1B batches them.
         overlap_p2p_comm=vp is not None, batch_p2p_comm=vp is None)
-    spec = local_spec()
+    spec = local_spec(normalization=cfg.normalization)
     chunks = []
     for v in range(vp or 1):
         stage = v if vp else None
@@ -200,8 +211,9 @@ def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, Transforme
                          post_process=mps.is_pipeline_last_stage(ignore_virtual=False,
                                                                  vp_stage=stage),
                          share_embeddings_and_output_weights=False,
-                         position_embedding_type="learned_absolute", vp_stage=stage)
-        load_reference(chunk, work.weights, tp_rank, tp)
+                         position_embedding_type=cfg.position_embedding_type,
+                         rotary_base=int(cfg.rotary_base), vp_stage=stage)
+        load_reference(chunk, work.weights, tp_rank, tp, gated=cfg.swiglu)
         chunks.append(chunk)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     opt = torch.optim.AdamW(common.decay_groups(named, args.weight_decay), lr=args.lr,

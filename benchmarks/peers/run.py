@@ -149,6 +149,14 @@ SUITES = {
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
+# The Llama-shaped model (issue 41): ours against Megatron-Core with the same
+# block flags (RMSNorm, SwiGLU, RoPE, GQA, no biases).
+SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-pp4",
+                   "ours-dp-exact", "ours-pp-1f1b", "ours-pp-sp-1f1b", "ours-pp", "ours-pp4-1f1b",
+                   "ours-pp4"]
+LLAMA_BLOCK = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
+               "--disable-bias-linear"]
 # Like-for-like pairs whose per-phase profiles the report subtracts: ours, theirs.
 PAIRS = [("ours-pp-1f1b", "megatron-tp2-pp2"), ("ours-dp-exact", "megatron-tp2-dp2"),
          ("ours-pp4-1f1b", "megatron-pp4")]
@@ -163,6 +171,15 @@ SMOKE_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
                "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
                "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--seed", "1234",
                "--untie-embeddings-and-output-weights"]
+
+
+#: the model of each suite (default MODEL)
+SUITE_MODEL = {"llama": MODEL[:MODEL.index("--seq-length")] + ["--ffn-hidden-size", "1408"]
+               + MODEL[MODEL.index("--seq-length"):] + LLAMA_BLOCK}
+SUITE_SMOKE_MODEL = {"llama": SMOKE_MODEL + LLAMA_BLOCK}
+#: Megatron-Core's newest release, run from its sources (make peers unpacks its
+#: wheel, tagged for Python 3.12, here); without it the pinned package
+MEGATRON_SRC = os.path.join(ROOT, ".venv-peers", "megatron-core-src")
 
 
 def setup(topology: str, rate: str) -> None:
@@ -189,8 +206,20 @@ def placement(topology: str):
     return [(NS["two-node"][r // 2], ADDR[0], VETH[r // 2]) for r in range(WORLD)]
 
 
+def megatron_version() -> str:
+    """The Megatron-Core the megatron configurations import."""
+    interpreter("megatron")
+    r = subprocess.run([PEERS_PYTHON, "-c", "import megatron.core as m; print(m.__version__)"],
+                       capture_output=True, text=True, env=os.environ)
+    return r.stdout.strip() or f"unknown ({r.stderr.strip()[-200:]})"
+
+
 def interpreter(stack: str) -> str:
     if stack in ("deepspeed", "megatron"):
+        if stack == "megatron" and os.path.isdir(MEGATRON_SRC):
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [MEGATRON_SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                  if p and p != MEGATRON_SRC])
         if not os.path.exists(PEERS_PYTHON):
             raise SystemExit(f"{STACK_NAMES[stack]} runs in the peers' environment "
                              f"{PEERS_PYTHON}, which does not exist: run `make peers` first")
@@ -390,7 +419,7 @@ def trace_phases(topology, key, a, port) -> dict:
 
     trace_dir = tempfile.mkdtemp(prefix="mapp_peers_trace_")
     stack, label, flags, _ = CONFIGS[key]
-    launch(topology, stack, [(stack, flags + MODEL + [
+    launch(topology, stack, [(stack, flags + a.model + [
         "--train-iters", str(a.phase_iters), "--eval-interval", "0", "--trace",
         "--trace-dir", trace_dir])], a, port, f"{label} (traced)")
     rows = breakdown_dir(trace_dir, skip=2)
@@ -405,7 +434,7 @@ def profile_phases(topology, key, a, port) -> dict:
 
     spy_dir = tempfile.mkdtemp(prefix="mapp_peers_spy_")
     stack, label, flags, _ = CONFIGS[key]
-    ranks = launch(topology, stack, [(stack, flags + MODEL + [
+    ranks = launch(topology, stack, [(stack, flags + a.model + [
         "--train-iters", str(a.profile_iters), "--eval-interval", "0"])], a, port,
         f"{label} (profiled)", profile_dir=spy_dir)
     hist = ranks[0]["runs"][0]["history"]
@@ -531,8 +560,8 @@ def smoke(names, a) -> int:
     namespace; checks that the stacks compute the same function: every exact
     configuration's losses equal the first exact one's, step by step (1e-3),
     and every first loss agrees (lossy codecs start later). Prints JSON."""
-    common = SMOKE_MODEL + ["--train-iters", str(a.iters), "--eval-interval", str(a.iters),
-                            "--eval-iters", "1"]
+    common = SUITE_SMOKE_MODEL.get(a.suite, SMOKE_MODEL) + [
+        "--train-iters", str(a.iters), "--eval-interval", str(a.iters), "--eval-iters", "1"]
     by_stack = {}
     for n in names:
         by_stack.setdefault(CONFIGS[n][0], []).append(n)
@@ -630,6 +659,7 @@ def main(argv=None, suite="peers", out=None):
         worker(a, json.load(open(a.runs)))
         return
     suite = a.suite
+    a.model = SUITE_MODEL.get(suite, MODEL)
     a.out = a.out or os.path.join(ROOT, "benchmarks", "results", suite)
     a.configs = a.configs or ",".join(SUITES[suite])
     names = [n.strip() for n in a.configs.split(",") if n.strip()]
@@ -661,10 +691,11 @@ def main(argv=None, suite="peers", out=None):
             for r in rows:
                 if r.get("steps_to_target") and not r.get("target_estimated"):
                     convergence.setdefault(r["key"], r["steps_to_target"])
-    common = MODEL + ["--train-iters", str(a.iters), "--eval-interval", str(a.eval_interval),
+    model = a.model
+    common = model + ["--train-iters", str(a.iters), "--eval-interval", str(a.eval_interval),
                       "--eval-iters", str(a.eval_iters)]
-    gbs = int(MODEL[MODEL.index("--global-batch-size") + 1])
-    a.tokens_per_iter = gbs * int(MODEL[MODEL.index("--seq-length") + 1])
+    gbs = int(model[model.index("--global-batch-size") + 1])
+    a.tokens_per_iter = gbs * int(model[model.index("--seq-length") + 1])
     os.makedirs(a.out, exist_ok=True)
     results, phases, profiles = {}, {}, {}
     port = a.port
@@ -692,7 +723,8 @@ def main(argv=None, suite="peers", out=None):
     stem = os.path.join(a.out, suite)
     with open(stem + ".json", "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
-                   "model_flags": MODEL, "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "model_flags": model, "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "megatron_core": megatron_version(),
                    "results": results, "phases": phases, "profiles": profiles}, f, indent=1)
     md = "".join(report(t, rows, a) + "\n" + format_phases(t, phases.get(t, {})) + "\n"
                  + format_profiles(t, profiles.get(t, {})) + "\n"
@@ -700,7 +732,8 @@ def main(argv=None, suite="peers", out=None):
     with open(stem + ".md", "w") as f:
         f.write(md)
     plot(results, stem + ".png")
-    print(f"\nGPT {' '.join(MODEL)}; {a.iters} iterations, 4 ranks, validation every "
+    print(f"\nMegatron-Core {megatron_version()}")
+    print(f"\nGPT {' '.join(model)}; {a.iters} iterations, 4 ranks, validation every "
           f"{a.eval_interval}, target loss {a.target_loss}, {a.repeats} repeat(s): medians\n")
     print(md, end="")
 

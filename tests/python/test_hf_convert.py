@@ -213,6 +213,7 @@ def test_scope_serves_an_imported_model_and_generates_what_transformers_does(hf_
     import urllib.request
 
     import transformers as tf
+
     from dist_harness import free_port
 
     hf_dir, _ = hf_dirs["llama"]
@@ -253,3 +254,43 @@ def test_scope_serves_an_imported_model_and_generates_what_transformers_does(hf_
         for p in procs:
             p.wait(20)
     assert got["tokens"][0] == prompt + want, (got["tokens"], want)  # prompt, then 5 new
+
+
+def _train_interleaved_and_export(rank, world, out):
+    """A model with --rotary-interleaved (and SwiGLU, GQA, RMSNorm, Qwen2's
+    QKV bias) saved as a checkpoint and exported: the export permutes q/k
+    into the rotate-half pairing, so transformers computes our logits."""
+    import dataclasses
+
+    import transformers as tf
+
+    import megatronapp
+    from megatronapp import checkpoint
+    from megatronapp.convert import export_hf
+    from megatronapp.models import GPTConfig, GPTModel
+
+    state = megatronapp.initialize_model_parallel()
+    cfg = GPTConfig(vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=96, seq_length=64, swiglu=True,
+                    normalization="RMSNorm", position_embedding_type="rope",
+                    rotary_interleaved=True, rotary_base=10000.0, add_bias_linear=False,
+                    add_qkv_bias=True, share_embeddings_and_output_weights=False,
+                    layernorm_epsilon=1e-6)
+    model = GPTModel(cfg, parallel_state=state, seed=4).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norms away from 0 and 1
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+        ours = model(_ids()).float()
+    checkpoint.save(out + "/ck", 0, [model], config=dataclasses.asdict(cfg),
+                    parallel_state=state)
+    export_hf(out + "/ck", out + "/hf")
+    hf = tf.AutoModelForCausalLM.from_pretrained(out + "/hf").eval()
+    with torch.no_grad():
+        theirs = hf(_ids()).logits.float()
+    return type(hf).__name__, (ours - theirs).abs().max().item()
+
+
+def test_export_of_interleaved_rope_permutes_into_transformers_pairing(tmp_path):
+    arch, err = run_ranks(_train_interleaved_and_export, 1, str(tmp_path))[0]
+    assert arch == "Qwen2ForCausalLM" and err < 1e-5, (arch, err)

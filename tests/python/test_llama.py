@@ -145,9 +145,8 @@ def test_shared_experts_and_topk_scaling_under_ep2_tp2(tmp_path_factory, tmp_pat
 def _default_block_is_gpt2(rank, world):
     """The default flags build exactly the GPT-2 block: the same parameters
     and the same loss as the explicit GPT-2 flag values."""
-    import torch
-
     import megatronapp
+    import torch
     from megatronapp.models import GPTConfig, GPTModel
 
     megatronapp.initialize_model_parallel()

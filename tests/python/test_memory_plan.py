@@ -1,8 +1,8 @@
 """The memory planner against the pool's measured peak allocated bytes, on
 every rank of a matrix of layouts (TP, SP, 1F1B / zero-bubble / interleaved /
 dynamic, DDP / ZeRO-1, int8 codec, bf16, selective / full recomputation,
-context parallelism p2p / a2a, the Llama block): within 10%. Then --recompute-granularity auto and --memory-limit-gb, and the
-command line."""
+context parallelism p2p / a2a, the Llama block): within 10%. Then
+--recompute-granularity auto and --memory-limit-gb, and the command line."""
 
 import json
 import os

@@ -59,9 +59,9 @@ def _rope(hf: dict) -> dict:
     if not params:
         params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
-    out = {"rotary_base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-           "rotary_percent": float(params.get("partial_rotary_factor",
-                                              hf.get("partial_rotary_factor", 1.0)))}
+    out = {"rotary_base": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConversionError("partial_rotary_factor != 1 is not supported for these families")
     if kind == "llama3":
         out.update(use_rope_scaling=True, rope_scaling_factor=float(params["factor"]),
                    rope_scaling_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -114,6 +114,9 @@ def _family(cfg: dict) -> str:
         unsupported.append("a GELU MLP (no --swiglu)")
     if cfg.get("position_embedding_type") != "rope":
         unsupported.append(f"--position-embedding-type {cfg.get('position_embedding_type')}")
+    elif cfg.get("rotary_percent", 1.0) != 1.0:
+        unsupported.append(f"--rotary-percent {cfg['rotary_percent']} (these families rotate "
+                           "every channel)")
     if cfg.get("add_bias_linear", True):
         unsupported.append("linear biases (no --disable-bias-linear)")
     if cfg.get("num_experts"):
@@ -150,8 +153,6 @@ def hf_config_from(cfg: dict, dtype: str = "float32") -> dict:
                 "high_freq_factor": cfg.get("rope_scaling_high_freq_factor", 4.0),
                 "original_max_position_embeddings": cfg.get(
                     "rope_scaling_original_max_position", 8192)}
-    if cfg.get("rotary_percent", 1.0) != 1.0:
-        rope["partial_rotary_factor"] = cfg["rotary_percent"]
     model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral"}[family]
     hf = {"architectures": [family], "model_type": model_type,

@@ -44,6 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-attention-heads", type=int, default=4)
     s.add_argument("--seq-length", type=int, default=128)
     s.add_argument("--seed", type=int, default=1234)
+    # the block of a fresh model (Megatron-LM's flags; a checkpoint brings its own)
+    s.add_argument("--ffn-hidden-size", type=int, default=None)
+    s.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    s.add_argument("--swiglu", action="store_true")
+    s.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=("learned_absolute", "rope", "none"))
+    s.add_argument("--rotary-base", type=int, default=10000)
+    s.add_argument("--group-query-attention", action="store_true")
+    s.add_argument("--num-query-groups", type=int, default=1)
+    s.add_argument("--kv-channels", type=int, default=None)
+    s.add_argument("--disable-bias-linear", action="store_true")
+    s.add_argument("--add-qkv-bias", action="store_true")
+    s.add_argument("--qk-layernorm", action="store_true")
     s.add_argument("--port-file", help="write the bound port here once listening")
     return p
 
@@ -67,10 +80,20 @@ def _model_config(args, tp: int, tokenizer_vocab: int):
             raise SystemExit(f"--checkpoint {path}: its metadata has no model config")
         cfg = {k: v for k, v in saved.items() if k in fields}
         return GPTConfig(**cfg), path
-    return GPTConfig(vocab_size=padded_vocab_size(tokenizer_vocab, tp, 128),
-                     hidden_size=args.hidden_size, num_layers=args.num_layers,
-                     num_attention_heads=args.num_attention_heads,
-                     seq_length=args.seq_length), None
+    try:
+        cfg = GPTConfig(
+            vocab_size=padded_vocab_size(tokenizer_vocab, tp, 128),
+            hidden_size=args.hidden_size, num_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+            ffn_hidden_size=args.ffn_hidden_size, normalization=args.normalization,
+            swiglu=args.swiglu, position_embedding_type=args.position_embedding_type,
+            rotary_base=float(args.rotary_base),
+            num_query_groups=args.num_query_groups if args.group_query_attention else None,
+            kv_channels=args.kv_channels, add_bias_linear=not args.disable_bias_linear,
+            add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
+    except ValueError as e:
+        raise SystemExit(f"megatronapp.scope serve: {e}") from None
+    return cfg, None
 
 
 def serve(args) -> None:

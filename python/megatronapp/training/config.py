@@ -486,7 +486,7 @@ class Config:
         for attr, _title, section in SECTIONS:
             sections[attr] = section(**{f.name: values[f.name]
                                         for f in dataclasses.fields(section) if f.name in values})
-        return cls(**sections, explicit=values.get("_explicit_flags"))
+        return cls(**sections, explicit=values.get("mapp_explicit_flags"))
 
     def _effective(self, flag: str):
         """A model flag's value with its default resolved (ffn 4 x hidden, ...)."""
@@ -856,7 +856,7 @@ def _argparse_type(annotation):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Records which flags the command line gave (``args._explicit_flags``):
+    """Records which flags the command line gave (``args.mapp_explicit_flags``):
     a checkpoint's architecture fills in only the others (``--load``)."""
 
     def parse_known_args(self, args=None, namespace=None):
@@ -872,7 +872,7 @@ class _Parser(argparse.ArgumentParser):
                 given.add_argument(*action.option_strings, dest=action.dest,
                                    default=argparse.SUPPRESS, nargs=action.nargs)
         seen, _ = given.parse_known_args(args)
-        ns._explicit_flags = frozenset(vars(seen))
+        ns.mapp_explicit_flags = frozenset(vars(seen))
         return ns, rest
 
 
