@@ -104,11 +104,11 @@ def _our_logits(rank, world, ckpt, tp, pp, ep):
     return torch.cat(parts, dim=-1) if rank == dist.get_world_size() - 1 else None
 
 
-def _import(hf_dir, out, tp=1, pp=1, ep=1):
+def _import(hf_dir, out, tp=1, pp=1, ep=1, max_file_bytes=2 << 30):
     from megatronapp.convert import import_hf
 
     return import_hf(hf_dir, out, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                     expert_model_parallel_size=ep)
+                     expert_model_parallel_size=ep, max_file_bytes=max_file_bytes)
 
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
@@ -144,8 +144,10 @@ def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf_dirs, tmp_p
     from megatronapp.convert import export_hf
 
     hf_dir, want = hf_dirs[family]
-    # at tp 2 x pp 2: the export reassembles every shard
-    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if family == "mixtral" else 1)
+    # at tp 2 x pp 2 in files of ~20 KB: the export reassembles every shard
+    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if family == "mixtral" else 1,
+                   max_file_bytes=20_000)
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) > 8
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size=40_000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded
     a, b = _files(hf_dir), _files(out)

@@ -15,11 +15,12 @@ laid out for the (tp, pp, ep) given: one file per model-parallel rank holding
 that rank's shards, which that layout reads in place; any other layout
 reshards on load.
 
-Streamed: ``import-hf`` builds one output file at a time from slices of the
-Hugging Face tensors (``safe_open(...).get_slice``): peak memory is one
-rank's shard of the model. ``export-hf`` assembles one layer at a time from
-the stored pieces (the checkpoint loader's positioned reads) and writes
-Hugging Face shards of at most ``--max-shard-size``. Import then export gives
+Streamed: ``import-hf`` builds one output file at a time (a rank's shards, in
+files of at most about 2 GiB) from slices of the Hugging Face tensors
+(``safe_open(...).get_slice``): peak memory is one such file plus one
+tensor. ``export-hf`` assembles one layer at a time from the stored pieces
+(the checkpoint loader's positioned reads) and writes Hugging Face shards of
+at most ``--max-shard-size-gb``. Import then export gives
 back every tensor bit for bit (the stored dtype is kept).
 
 Layouts (Megatron's): the fused QKV rows are ``[group, (its query heads, key,
@@ -375,9 +376,12 @@ def _our_tensors(cfg: dict, hf: _HFFiles) -> dict:
 
 
 def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
-              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> str:
+              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+              max_file_bytes: int = 2 << 30) -> str:
     """Converts a Hugging Face checkpoint directory into our checkpoint format
-    at `output` (see the module docstring); returns the checkpoint path."""
+    at `output` (see the module docstring); returns the checkpoint path. Each
+    model-parallel rank's shards go to files of about `max_file_bytes`, built
+    one at a time (the converter's peak memory)."""
     from ..checkpoint import FORMAT_VERSION
 
     cpath = os.path.join(hf_dir, "config.json")
@@ -413,27 +417,41 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
     os.makedirs(tmp)
     pieces = []
     for i, key in enumerate(sorted(files)):
-        fname = f"rank{i}.safetensors"
-        out = {}
+        out, nbytes, part = {}, 0, 0
+
+        def flush(i=i):
+            nonlocal out, nbytes, part
+            if not out:
+                return
+            fname = f"rank{i}-{part:05d}.safetensors"
+            write(os.path.join(tmp, fname), out, {"rank": i, "iteration": 0,
+                                                  "source": "import-hf"})
+            for pc in pieces:
+                if pc["file"] is None:
+                    pc["file"] = fname
+            out, nbytes, part = {}, 0, part + 1
+
         for tname, srcs, view, dim, t in files[key]:
             if dim is None:
-                part = _read_part(hf, lay, tname, srcs, None, 0, 0)
+                part_t = _read_part(hf, lay, tname, srcs, None, 0, 0)
                 tp_slice, local = None, view
             else:
                 n = view[dim] // tp
                 lo, hi = t * n, (t + 1) * n
-                part = _read_part(hf, lay, tname, srcs, dim, lo, hi)
+                part_t = _read_part(hf, lay, tname, srcs, dim, lo, hi)
                 tp_slice = [dim, lo, hi]
                 local = list(view)
                 local[dim] = n
-            part = part.reshape(local).contiguous()
+            part_t = part_t.reshape(local).contiguous()
             k = f"model/{tname}"
-            out[k] = part
+            out[k] = part_t
+            nbytes += part_t.numel() * part_t.element_size()
             pieces.append({"name": tname, "kind": "param", "global_shape": list(view),
-                           "dtype": str(part.dtype), "tp_slice": tp_slice,
-                           "flat": [0, part.numel()], "file": fname, "key": k})
-        write(os.path.join(tmp, fname), out, {"rank": i, "iteration": 0, "source": "import-hf"})
-        out.clear()
+                           "dtype": str(part_t.dtype), "tp_slice": tp_slice,
+                           "flat": [0, part_t.numel()], "file": None, "key": k})
+            if nbytes >= max_file_bytes:  # bounded memory: never a whole rank's shard
+                flush()
+        flush()
     hf.close()
     meta = {"format": FORMAT_VERSION, "iteration": 0, "config": cfg,
             "extra": {"consumed_samples": 0, "imported_from": os.path.abspath(hf_dir),
@@ -447,8 +465,12 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
         os.fsync(f.fileno())
     fsync_dir(tmp)
     os.rename(tmp, final)
-    with open(os.path.join(output, "latest"), "w") as f:
+    pointer = os.path.join(output, ".latest.tmp")
+    with open(pointer, "w") as f:
         f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(output, "latest"))
     fsync_dir(output)
     return final
 

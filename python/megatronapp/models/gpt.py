@@ -309,8 +309,13 @@ class _GroupedQKV(nn.Module):
 
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split across the tensor group. The fused
-    QKV projection's output features are ordered [head, (q, k, v), head_dim], so a
-    contiguous row shard of the weight is a whole set of heads."""
+    QKV projection's output features are ordered [group, (its query heads, key,
+    value), head_dim] ([head, (q, k, v), head_dim] with one query per group), so
+    a contiguous row shard of the weight is a whole set of query groups; with
+    fewer groups than tensor ranks each group is replicated (:class:`_GroupedQKV`).
+    Optional per-head query/key norms and RoPE come before core attention; under
+    grouped-query attention the key and value heads are then expanded to the
+    query heads."""
 
     def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float,
                  layer_number: int = 0):
@@ -333,7 +338,7 @@ class ParallelAttention(nn.Module):
             raise ValueError("attention dropout with context parallelism is not supported")
         sp = cfg.sequence_parallel
         d, ng, heads = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
-        self.head_dim, self.layout = d, cfg.position_embedding_type
+        self.head_dim = d
         qkv_out = (heads + 2 * ng) * d
         if ng % tp == 0:  # whole query groups per rank: a contiguous row shard
             self.groups_local, self.queries_per_group = ng // tp, heads // ng
