@@ -90,13 +90,16 @@ class MoELayer(nn.Module):
             drop_policy=cfg.moe_token_drop_policy,
             enable_expert_bias=cfg.moe_router_enable_expert_bias,
             bias_update_rate=cfg.moe_router_bias_update_rate, init_std=cfg.init_method_std,
-            topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
+            topk_scaling_factor=getattr(cfg, "moe_router_topk_scaling_factor", None))
         self.experts = GroupedMLP(
             cfg.hidden_size, cfg.moe_ffn_hidden_size, state.ep_rank * self.num_local,
             self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,
-            init_std=cfg.init_method_std, output_std=output_std, swiglu=cfg.swiglu)
+            init_std=cfg.init_method_std, output_std=output_std,
+            swiglu=getattr(cfg, "swiglu", False))
         self.shared_experts = None
-        if cfg.moe_shared_expert_intermediate_size:  # a dense tensor-parallel MLP beside them
+        # shared experts: a dense tensor-parallel MLP beside them (the newer
+        # config fields are optional: an older caller's config object lacks them)
+        if getattr(cfg, "moe_shared_expert_intermediate_size", None):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed((seed * 1_000_003 + 15_485_863) % (2**63 - 1))
                 self.shared_experts = _gpt.ParallelMLP(
