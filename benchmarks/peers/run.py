@@ -152,8 +152,8 @@ SUITES = {
 # The Llama-shaped model (issue 41): ours against Megatron-Core with the same
 # block flags (RMSNorm, SwiGLU, RoPE, GQA, no biases).
 SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-pp4",
-                   "ours-dp-exact", "ours-pp-1f1b", "ours-pp-sp-1f1b", "ours-pp", "ours-pp4-1f1b",
-                   "ours-pp4"]
+                   "ours-dp-exact", "ours-pp-1f1b", "ours-pp-1f1b-gloo", "ours-pp",
+                   "ours-pp4-1f1b", "ours-pp4"]
 LLAMA_BLOCK = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
                "--disable-bias-linear"]
