@@ -67,6 +67,11 @@ STACK_NAMES = {"ours": "ours", "torch": "PyTorch", "deepspeed": "DeepSpeed",
 
 # A flag the worker turns into an environment variable of that run (not a trainer flag).
 ENV_FLAG = "--env="
+# The c10d backend the launch's world is created on (not a trainer flag): "gloo"
+# (default) or "mapp", megatronapp's shared-memory backend, which any stack can
+# use (megatronapp.distributed_backend): the same transport for every stack.
+BACKEND_FLAG = "--backend="
+MAPP = BACKEND_FLAG + "mapp"
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
@@ -92,6 +97,18 @@ CONFIGS = {
     "megatron-tp2-pp2-vp": ("megatron", "Megatron-Core: TP2 x PP2 interleaved (v=2)",
                             TP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], True),
     "megatron-pp4": ("megatron", "Megatron-Core: PP4 (1F1B)", PP4, True),
+    # The same on megatronapp's shared-memory c10d backend (same transport as ours).
+    "megatron-tp2-dp2-mapp": ("megatron", "Megatron-Core: TP2 x DP2, mapp backend", TP2 + [MAPP],
+                              True),
+    "megatron-tp2-pp2-mapp": ("megatron", "Megatron-Core: TP2 x PP2 (1F1B), mapp backend",
+                              TP2 + PP2 + [MAPP], True),
+    "megatron-tp2-pp2-vp-mapp": ("megatron", "Megatron-Core: TP2 x PP2 interleaved (v=2), mapp "
+                                 "backend", TP2 + PP2 + [
+                                     "--num-layers-per-virtual-pipeline-stage", "1", MAPP], True),
+    "megatron-pp4-mapp": ("megatron", "Megatron-Core: PP4 (1F1B), mapp backend", PP4 + [MAPP],
+                          True),
+    "deepspeed-pp-mapp": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, mapp "
+                          "backend", PP2 + ["--zero-stage", "1", MAPP], True),
     "ours-dp": ("ours", "ours: TP2 x DP2, int8 codec, pool", TP2 + [
         "--grad-compression", "int8", "--grad-compression-start-iter", "2", "--memory-pool"],
         False),
@@ -114,6 +131,10 @@ CONFIGS = {
     "ours-pp-1f1b-gloo": ("ours", "ours: TP2 x PP2 1F1B, pool, all on Gloo",
                           TP2 + PP2 + ["--pipeline-schedule", "1f1b", "--memory-pool",
                                        ENV_FLAG + "MAPP_SHM_COLLECTIVES=0"], True),
+    # Every group on the mapp backend (init_process_group("mapp")), as the peers' -mapp runs.
+    "ours-pp-1f1b-mapp": ("ours", "ours: TP2 x PP2 1F1B, pool, mapp backend",
+                          TP2 + PP2 + ["--pipeline-schedule", "1f1b", "--memory-pool", MAPP],
+                          True),
     "ours-pp": ("ours", "ours: TP2 x PP2 zero-bubble, pool", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
     "ours-pp-dp": ("ours", "ours: PP2 x DP2 zero-bubble, pool", PP2 + [
@@ -271,6 +292,28 @@ def _train_one(stack: str, flags: list, out_dir: str, meter) -> list:
     return trainer.train(trainer.build_parser().parse_args(flags), callbacks=meter)["history"]
 
 
+def backend_of(flags) -> str:
+    return next((f[len(BACKEND_FLAG):] for f in flags if f.startswith(BACKEND_FLAG)), "gloo")
+
+
+def import_megatronapp() -> None:
+    """Makes megatronapp importable in the peers' interpreter (same Python and
+    torch as ours, a venv of its own): the editable install's finder from
+    .venv, loaded by path, maps the package to python/ and its native modules
+    to the build, without putting .venv's other packages on sys.path."""
+    import glob
+    import importlib.util
+
+    found = glob.glob(os.path.join(ROOT, ".venv", "lib", "python3*", "site-packages",
+                                   "_editable_skbc_megatronapp.py"))
+    if not found:
+        raise SystemExit("the mapp backend in the peers' environment needs megatronapp's "
+                         "editable install in .venv (make build)")
+    spec = importlib.util.spec_from_file_location("_editable_skbc_megatronapp", found[0])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    import megatronapp  # noqa: F401  (registers the "mapp" backend)
+
+
 def worker(a, runs: list) -> None:
     """Trains each (stack, flags) of ``runs`` in turn in this process (one run
     per process when timing; --smoke shares the start-up among a stack's runs)."""
@@ -286,15 +329,23 @@ def worker(a, runs: list) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(ROOT, "python"))
+    backends = {backend_of(flags) for _, flags in runs}
+    if len(backends) != 1:
+        raise SystemExit(f"one launch runs on one c10d backend, got {sorted(backends)}")
+    backend = backends.pop()
+    if backend == "mapp" and any(stack != "ours" for stack, _ in runs):
+        import_megatronapp()  # registers the backend in the peers' interpreter
     if any(stack == "ours" and "--memory-pool" in flags for stack, flags in runs):
         from megatronapp import memory
 
         memory.use_pool("cpu")  # before the process group's first allocation
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    if backend == "mapp":
+        import megatronapp  # noqa: F401  (registers "mapp")
+    dist.init_process_group(backend, timeout=timedelta(seconds=600))
     results = []
     for stack, flags in runs:
         env = dict(f[len(ENV_FLAG):].split("=", 1) for f in flags if f.startswith(ENV_FLAG))
-        flags = [f for f in flags if not f.startswith(ENV_FLAG)]
+        flags = [f for f in flags if not f.startswith((ENV_FLAG, BACKEND_FLAG))]
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         meter = Meter(sample=a.sample)
@@ -563,10 +614,10 @@ def smoke(names, a) -> int:
     common = SUITE_SMOKE_MODEL.get(a.suite, SMOKE_MODEL) + [
         "--train-iters", str(a.iters), "--eval-interval", str(a.iters), "--eval-iters", "1"]
     by_stack = {}
-    for n in names:
-        by_stack.setdefault(CONFIGS[n][0], []).append(n)
+    for n in names:  # one launch per stack and c10d backend
+        by_stack.setdefault((CONFIGS[n][0], backend_of(CONFIGS[n][2])), []).append(n)
     losses, port, t0 = {}, a.port, time.time()
-    for stack, keys in by_stack.items():
+    for (stack, _), keys in by_stack.items():
         t = time.time()
         if a.port == 0:  # a fixed port may be taken on a busy machine (CI)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -1,7 +1,7 @@
 """MegatronApp: a distributed training runtime for large language models.
 
     import megatronapp as mapp
-    torch.distributed.init_process_group("gloo")      # or "nccl"
+    torch.distributed.init_process_group("mapp")      # or "gloo", "nccl", "cpu:mapp,cuda:nccl"
     mapp.initialize_model_parallel(tensor_model_parallel_size=2)
     layer = mapp.tensor_parallel.ColumnParallelLinear(1024, 4096)
 
@@ -29,6 +29,7 @@ from . import (  # noqa: E402,I001
     _C,
     comm,
     data_parallel,
+    distributed_backend,
     memory,
     models,
     moe,  # registers the MoE layer with the GPT model (GPTConfig(num_experts=...))
@@ -45,6 +46,8 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
+
+distributed_backend.register()  # torch.distributed.init_process_group("mapp")
 
 try:  # written by setuptools-scm at build time from the git tag (vX.Y.Z)
     from ._version import version as __version__

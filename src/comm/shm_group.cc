@@ -37,8 +37,9 @@ struct ShmGroup::Header {
 // What a member is about to run; members compare them after the first barrier
 // of every collective (two sets, alternating like the data areas).
 struct ShmGroup::Call {
-  std::uint32_t op;    // 1 all_reduce, 2 all_gather, 3 reduce_scatter, 4 all_to_all
-  std::uint32_t elem;  // element size
+  std::uint32_t op;    // 1 all_reduce, 2 all_gather, 3 reduce_scatter, 4 all_to_all,
+                       // 5 all_to_all_v, 6 broadcast
+  std::uint32_t elem;  // element size (broadcast: the root)
   std::uint64_t bytes;
 };
 
@@ -62,6 +63,8 @@ const char* op_name(std::uint32_t op) {
       return "all_to_all";
     case 5:
       return "all_to_all_v";
+    case 6:
+      return "broadcast";
     default:
       return "?";
   }
@@ -260,6 +263,27 @@ void ShmGroup::all_gather(const void* in, std::size_t bytes, void* out,
     barrier("all_gather", deadline);
     if (off == 0) verify(set);
     for (int m = 0; m < world_; ++m) std::memcpy(dst + m * bytes + off, slot(area, m), cnt);
+  }
+}
+
+void ShmGroup::broadcast(void* data, std::size_t bytes, int root,
+                         std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable(broken_, name_, "broadcast");
+  MAPP_CHECK(root >= 0 && root < world_, "broadcast: root ", root, " is outside the group of ",
+             world_, " members");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto* p = static_cast<std::uint8_t*>(data);
+  // One barrier per piece, as all_gather: the root writes its slot of this
+  // piece's area, the others read it.
+  const int set = bytes ? announce(6, bytes, static_cast<std::size_t>(root)) : 0;
+  for (std::size_t off = 0; off < bytes; off += slot_bytes_) {
+    const std::size_t cnt = std::min(slot_bytes_, bytes - off);
+    const int area = static_cast<int>(piece_++ & 1);
+    if (rank_ == root) std::memcpy(slot(area, root), p + off, cnt);
+    barrier("broadcast", deadline);
+    if (off == 0) verify(set);
+    if (rank_ != root) std::memcpy(p + off, slot(area, root), cnt);
   }
 }
 

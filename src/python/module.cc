@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // c10::intrusive_ptr as a holder (c10d types)
 
 #include "mapp/common/check.h"
 #include "mapp/common/log.h"
@@ -15,6 +16,7 @@
 #include "mapp/pipeline/schedule.h"
 #include "mapp/topology/rank_grid.h"
 #include "mapp/trace/tracer.h"
+#include "mapp/torch/backend.h"
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
@@ -414,6 +416,25 @@ void register_data(py::module_& m) {
       "(dataset of each sample: int16, its sample number in that dataset: int64)");
 }
 
+// The "mapp" torch.distributed backend (megatronapp.distributed_backend
+// registers its creator with torch.distributed.Backend.register_backend).
+void register_backend(py::module_& m) {
+  m.def(
+      "create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+         const std::string& group_name) {
+        py::gil_scoped_release nogil;  // connecting waits for the other members
+        return mapp::dist::create_backend(
+            store, rank, size,
+            std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)), group_name);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+      py::arg("group_name"));
+  m.def("backend_uses_shared_memory", [](const c10::intrusive_ptr<c10d::Backend>& backend) {
+    return mapp::dist::backend_uses_shared_memory(backend);
+  });
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "MegatronApp native core (topology, tunables, logging); tensor ops are "
             "torch.ops.mapp.*";
@@ -423,4 +444,5 @@ PYBIND11_MODULE(_C, m) {
   register_pipeline(m);
   register_trace(m);
   register_data(m);
+  register_backend(m);
 }

@@ -81,4 +81,19 @@ void reduce_scatter_base(at::Tensor& out, const at::Tensor& in, const std::strin
 void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& group_name,
                      c10d::ProcessGroup& pg, const char* op);
 
+// What members must share to share memory: the host (name and boot), the
+// /dev/shm mount and the network namespace (parallel_state.node_identity).
+std::string node_identity();
+
+// One shared-memory segment for the `size` members of a group meeting at
+// `store` under `key` (this process is member `me`): member 0 creates it and
+// publishes its name, the others open it, and once all have reported, member
+// 0 unlinks the name. Null for a group of one, a group spanning nodes, or when
+// any member could not map it (member 0 then prints why, naming `label`);
+// every member gets the same answer.
+std::shared_ptr<comm::ShmGroup> rendezvous_shm(c10d::Store& store, const std::string& key, int me,
+                                               int size, const std::string& label);
+// Routes the collectives of the registered group `group_name` through `group`.
+void shm_register(const std::string& group_name, std::shared_ptr<comm::ShmGroup> group);
+
 }  // namespace mapp::torch_ext::internal

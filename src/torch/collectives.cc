@@ -4,7 +4,11 @@
 // both Python (`group.group_name`) and C++ can hold without sharing pybind11
 // internals, and it survives torch.compile tracing as a plain string.
 #include <ATen/ATen.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <fstream>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,6 +112,88 @@ void all_to_all_base(at::Tensor& out, const at::Tensor& in, const std::string& g
         g.all_to_all(in.data_ptr(), in.nbytes() / g.world(), out.data_ptr(), collective_timeout());
       },
       [&] { return pg.alltoall_base(out, src, splits, splits); });
+}
+
+std::string node_identity() {
+  auto read = [](const char* path) {
+    std::ifstream f(path);
+    std::string v;
+    return (f && std::getline(f, v)) ? v : std::string("?");
+  };
+  auto inode = [](const char* path) {
+    struct stat st {};
+    return ::stat(path, &st) == 0 ? std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino)
+                                  : std::string("?");
+  };
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return std::string(host) + "|" + read("/proc/sys/kernel/random/boot_id") + "|" +
+         inode("/dev/shm") + "|" + inode("/proc/self/ns/net");
+}
+
+namespace {
+std::string as_string(const std::vector<std::uint8_t>& v) { return {v.begin(), v.end()}; }
+std::vector<std::uint8_t> as_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+}  // namespace
+
+std::shared_ptr<comm::ShmGroup> rendezvous_shm(c10d::Store& store, const std::string& key, int me,
+                                               int size, const std::string& label) {
+  if (size <= 1) return nullptr;
+  const std::string identity = node_identity();
+  store.set(key + "node/" + std::to_string(me), as_bytes(identity));
+  std::vector<std::string> nodes;
+  for (int i = 0; i < size; ++i) nodes.push_back(key + "node/" + std::to_string(i));
+  store.wait(nodes);
+  for (const auto& k : nodes)
+    if (as_string(store.get(k)) != identity) return nullptr;  // spans nodes: the backend
+  const auto slot = static_cast<std::size_t>(tunable_int("MAPP_SHM_SLOT_BYTES"));
+  std::shared_ptr<comm::ShmGroup> group;
+  std::string err;
+  if (me == 0) {
+    const std::string name =
+        "/mapp-" + std::to_string(::getpid()) + "-" +
+        std::to_string(std::chrono::steady_clock::now().time_since_epoch().count() % 1000000007);
+    try {
+      group = comm::ShmGroup::create(name, me, size, slot);
+      store.set(key + "name", as_bytes(name));
+    } catch (const std::exception& e) {
+      store.set(key + "name", as_bytes(std::string("!") + e.what()));
+    }
+  }
+  store.wait({key + "name"});
+  const std::string name = as_string(store.get(key + "name"));
+  const bool created = name.rfind('!', 0) != 0;
+  if (!created) {
+    err = name.substr(1);
+  } else if (me != 0) {
+    try {
+      group = comm::ShmGroup::open(name, me, size, slot);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  store.set(key + "ok/" + std::to_string(me), as_bytes(err.empty() ? "1" : err));
+  std::vector<std::string> oks;
+  for (int i = 0; i < size; ++i) oks.push_back(key + "ok/" + std::to_string(i));
+  store.wait(oks);  // every member has opened (or failed)
+  std::string first_error;
+  for (const auto& k : oks) {
+    const std::string v = as_string(store.get(k));
+    if (v != "1" && first_error.empty()) first_error = v;
+  }
+  if (me == 0 && group) group->unlink();
+  if (!first_error.empty()) {
+    if (me == 0)
+      std::cerr << "[megatronapp] " << label
+                << " stays on Gloo: shared memory failed: " << first_error << std::endl;
+    return nullptr;
+  }
+  return group;
+}
+
+void shm_register(const std::string& group_name, std::shared_ptr<comm::ShmGroup> group) {
+  std::lock_guard<std::mutex> lock(shm_mu());
+  shm_groups()[group_name] = std::move(group);
 }
 
 }  // namespace internal

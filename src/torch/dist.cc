@@ -7,14 +7,9 @@
 // header, the Gloo types stay behind pointers.
 #include "mapp/torch/dist.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
-#include <iostream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -29,6 +24,7 @@
 
 #include "mapp/common/check.h"
 #include "mapp/torch/ops.h"
+#include "c10d_util.h"
 
 #ifdef MAPP_HAVE_GLOO_HEADERS
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -209,87 +205,17 @@ void create_group(const c10::intrusive_ptr<c10d::Store>& store, const std::strin
   c10d::register_process_group(name, pg);
 }
 
-// What members must share to share memory: the host (name and boot), the
-// /dev/shm mount and the network namespace (parallel_state.node_identity).
-std::string node_identity() {
-  auto read = [](const char* path) {
-    std::ifstream f(path);
-    std::string v;
-    return (f && std::getline(f, v)) ? v : std::string("?");
-  };
-  auto inode = [](const char* path) {
-    struct stat st {};
-    return ::stat(path, &st) == 0 ? std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino)
-                                  : std::string("?");
-  };
-  char host[256] = {0};
-  ::gethostname(host, sizeof(host) - 1);
-  return std::string(host) + "|" + read("/proc/sys/kernel/random/boot_id") + "|" +
-         inode("/dev/shm") + "|" + inode("/proc/self/ns/net");
-}
-
-std::string as_string(const std::vector<std::uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-std::vector<std::uint8_t> as_bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
 // Moves the group's CPU collectives through one shared-memory segment when
-// every member runs on this node (Python: enable_shared_memory): member 0
-// creates it and publishes its name in the store, the others open it, and
-// once all have reported, member 0 unlinks the name. If any member cannot
-// map it, every member stays on Gloo. Returns whether it attached.
+// every member runs on this node (Python: enable_shared_memory). Returns
+// whether it attached.
 bool attach_shared_memory(const c10::intrusive_ptr<c10d::Store>& store, const std::string& name,
                           const std::vector<int>& ranks, int rank) {
   const int size = static_cast<int>(ranks.size());
   const int me = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
-  if (size == 1) return false;
-  const std::string key = "mapp.shm/" + name + "/";
-  store->set(key + "node/" + std::to_string(me), as_bytes(node_identity()));
-  std::vector<std::string> keys;
-  for (int i = 0; i < size; ++i) keys.push_back(key + "node/" + std::to_string(i));
-  store->wait(keys);
-  for (const auto& k : keys)
-    if (as_string(store->get(k)) != node_identity()) return false;  // spans nodes: Gloo
-  std::string err;
-  if (me == 0) {
-    const std::string shm_name =
-        "/mapp-" + std::to_string(::getpid()) + "-" +
-        std::to_string(std::chrono::steady_clock::now().time_since_epoch().count() % 1000000007);
-    try {
-      torch_ext::shm_attach(name, shm_name, true);
-      store->set(key + "name", as_bytes(shm_name));
-    } catch (const std::exception& e) {
-      store->set(key + "name", as_bytes(std::string("!") + e.what()));
-    }
-  }
-  store->wait({key + "name"});
-  const std::string shm_name = as_string(store->get(key + "name"));
-  if (shm_name.rfind('!', 0) == 0) {
-    err = shm_name.substr(1);
-  } else if (me != 0) {
-    try {
-      torch_ext::shm_attach(name, shm_name, false);
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-  }
-  store->set(key + "ok/" + std::to_string(me), as_bytes(err.empty() ? "1" : err));
-  std::vector<std::string> oks;
-  for (int i = 0; i < size; ++i) oks.push_back(key + "ok/" + std::to_string(i));
-  store->wait(oks);  // every member has opened (or failed)
-  std::string first_error;
-  for (const auto& k : oks) {
-    const std::string v = as_string(store->get(k));
-    if (v != "1" && first_error.empty()) first_error = v;
-  }
-  if (me == 0 && shm_name.rfind('!', 0) != 0) torch_ext::shm_unlink(name);
-  if (!first_error.empty()) {
-    if (torch_ext::shm_attached(name)) torch_ext::shm_detach(name);
-    if (me == 0)
-      std::cerr << "[megatronapp] group '" << name
-                << "' stays on Gloo: shared memory failed: " << first_error << std::endl;
-    return false;
-  }
+  auto group = torch_ext::internal::rendezvous_shm(*store, "mapp.shm/" + name + "/", me, size,
+                                                   "group '" + name + "'");
+  if (!group) return false;
+  torch_ext::internal::shm_register(name, std::move(group));
   return true;
 }
 

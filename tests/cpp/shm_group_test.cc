@@ -98,6 +98,26 @@ TEST(ShmGroup, AllGatherAllToAllAndReduceScatterMatchClosedForm) {
   });
 }
 
+// Broadcast from every root, in pieces (400 bytes through 192-byte slots),
+// interleaved with an all-reduce so the areas alternate across operations.
+TEST(ShmGroup, BroadcastFromEveryRootAcrossPieces) {
+  run_members(3, 192, unique_name("bc"), [](ShmGroup& g) {
+    const std::size_t n = 100;
+    for (int root = 0; root < g.world(); ++root) {
+      std::vector<float> x(n, -1.0F);
+      if (g.rank() == root)
+        for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(root * 1000 + i);
+      g.broadcast(x.data(), n * sizeof(float), root, milliseconds(20000));
+      for (std::size_t i = 0; i < n; ++i)
+        if (x[i] != static_cast<float>(root * 1000 + i)) return 1;
+      float one = 1.0F;
+      g.all_reduce(&one, sizeof(float), sizeof(float), kAddFloat, milliseconds(20000));
+      if (one != static_cast<float>(g.world())) return 2;
+    }
+    return 0;
+  });
+}
+
 // Uneven all-to-all: member i sends (i + 2 * j) * 37 % 101 floats to member j
 // (some zero), across pieces of a small slot; then a member with nothing to
 // send or receive at all.

@@ -81,6 +81,8 @@ class ShmGroup {
   // also with nothing to send or receive (the MoE dispatcher's exchange).
   void all_to_all_v(const void* in, const std::size_t* send, void* out, const std::size_t* recv,
                     std::chrono::milliseconds timeout);
+  // Member `root`'s `bytes` at `data` land at every member's `data`.
+  void broadcast(void* data, std::size_t bytes, int root, std::chrono::milliseconds timeout);
   // `in` holds world chunks of `bytes` each; `out` (bytes) receives the sum of
   // every member's chunk `rank`.
   void reduce_scatter(const void* in, std::size_t bytes, void* out, std::size_t elem_size,

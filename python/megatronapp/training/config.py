@@ -77,8 +77,10 @@ class ParallelConfig:
     cp_comm_type: str = _flag("p2p", "context-parallel attention: p2p (ring exchange of K/V) "
                               "or a2a (all-to-all to head shards, DeepSpeed-Ulysses)",
                               choices=("p2p", "a2a"))
-    distributed_backend: str = _flag("auto", "auto: nccl with CUDA, gloo otherwise",
-                                     choices=("auto", "gloo", "nccl"))
+    distributed_backend: str = _flag(
+        "auto", "auto: nccl with CUDA, gloo otherwise (whose groups move this node's "
+        "collectives through shared memory all the same); mapp: the shared-memory backend for "
+        "every group (megatronapp.distributed_backend)", choices=("auto", "gloo", "nccl", "mapp"))
     forward_backward_disaggregating: bool = _flag(
         False, "MegaFBD: split the data-parallel ranks into forward-only ranks, which run "
         "the pipeline without autograd and ship each stage's input, and backward ranks, which "
