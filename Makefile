@@ -28,7 +28,7 @@ export OMP_NUM_THREADS  ?= 1
 # Torch and CUDA libraries come from the torch wheel: never grafted into ours.
 WHEEL_EXCLUDES := $(foreach l,libtorch* libc10* libcu* libnv* libcudnn* libnccl* libgomp* libshm*,--exclude '$(l)')
 
-.PHONY: all setup peers build demo demo-command test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-llama bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu bench-moe fuzz gpu-check clean distclean help
+.PHONY: all setup peers build demo demo-command test lint test-cpp test-python wheel test-install bench bench-memory bench-codecs bench-dp bench-pipeline bench-e2e bench-peers bench-step bench-fair bench-llama bench-shm bench-data bench-precision bench-recompute bench-memory-plan bench-scale bench-mfu bench-moe fuzz gpu-check clean distclean help
 all: test
 
 help:
@@ -174,6 +174,12 @@ bench-data: build peers
 bench-step: build peers
 	$(PY) benchmarks/peers/run.py --suite step --iters 20 --warmup 5 --eval-interval 0 \
 	  --phase-iters 12 --profile-iters 20
+
+# Same transport: Megatron-Core and DeepSpeed on Gloo and on the mapp backend, ours on
+# Gloo only, on its default transport and on mapp (issue 42).
+bench-fair: build peers
+	$(PY) benchmarks/peers/run.py --suite fair --iters 20 --warmup 5 --eval-interval 0 \
+	  --phase-iters 0 --profile-iters 0 --repeats 3 $(BENCH_FAIR_FLAGS)
 
 # The Llama-shaped model (RMSNorm, SwiGLU, RoPE, GQA, no biases): ours against
 # Megatron-Core's newest release with the same flags, 20 steps, 3 repeats.

@@ -170,6 +170,12 @@ SUITES = {
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }
+# make bench-fair: every stack on the same transport (issue 42): the peers on Gloo and on
+# megatronapp's shared-memory backend (mapp), ours on Gloo only, on its own, and on mapp.
+SUITES["fair"] = ["megatron-tp2-pp2", "megatron-tp2-pp2-mapp", "megatron-pp4", "megatron-pp4-mapp",
+                  "megatron-tp2-dp2-mapp", "deepspeed-pp", "deepspeed-pp-mapp", "ours-pp-1f1b",
+                  "ours-pp-1f1b-gloo", "ours-pp-1f1b-mapp", "ours-pp4-1f1b", "ours-pp4",
+                  "ours-dp-exact"]
 # The Llama-shaped model (issue 41): ours against Megatron-Core with the same
 # block flags (RMSNorm, SwiGLU, RoPE, GQA, no biases).
 SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-pp4",
@@ -296,24 +302,6 @@ def backend_of(flags) -> str:
     return next((f[len(BACKEND_FLAG):] for f in flags if f.startswith(BACKEND_FLAG)), "gloo")
 
 
-def import_megatronapp() -> None:
-    """Makes megatronapp importable in the peers' interpreter (same Python and
-    torch as ours, a venv of its own): the editable install's finder from
-    .venv, loaded by path, maps the package to python/ and its native modules
-    to the build, without putting .venv's other packages on sys.path."""
-    import glob
-    import importlib.util
-
-    found = glob.glob(os.path.join(ROOT, ".venv", "lib", "python3*", "site-packages",
-                                   "_editable_skbc_megatronapp.py"))
-    if not found:
-        raise SystemExit("the mapp backend in the peers' environment needs megatronapp's "
-                         "editable install in .venv (make build)")
-    spec = importlib.util.spec_from_file_location("_editable_skbc_megatronapp", found[0])
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    import megatronapp  # noqa: F401  (registers the "mapp" backend)
-
-
 def worker(a, runs: list) -> None:
     """Trains each (stack, flags) of ``runs`` in turn in this process (one run
     per process when timing; --smoke shares the start-up among a stack's runs)."""
@@ -333,13 +321,11 @@ def worker(a, runs: list) -> None:
     if len(backends) != 1:
         raise SystemExit(f"one launch runs on one c10d backend, got {sorted(backends)}")
     backend = backends.pop()
-    if backend == "mapp" and any(stack != "ours" for stack, _ in runs):
-        import_megatronapp()  # registers the backend in the peers' interpreter
     if any(stack == "ours" and "--memory-pool" in flags for stack, flags in runs):
         from megatronapp import memory
 
         memory.use_pool("cpu")  # before the process group's first allocation
-    if backend == "mapp":
+    if backend == "mapp":  # (the peers' venv sees .venv's packages through a .pth)
         import megatronapp  # noqa: F401  (registers "mapp")
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     results = []

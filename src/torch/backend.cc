@@ -359,15 +359,14 @@ class MappBackend final : public c10d::Backend {
     return requested.count() > 0 ? requested : timeout_;
   }
 
-  // Whether these tensors move through shared memory: a segment, and CPU tensors.
+  // Whether these tensors move through shared memory: a segment, and dense
+  // real CPU tensors (anything else goes to Gloo, which stages CUDA tensors
+  // through host memory; "cpu:mapp,cuda:nccl" gives CUDA tensors NCCL).
   bool on_shm(const std::vector<at::Tensor>& tensors) const {
     if (!shm_) return false;
-    for (const auto& t : tensors) {
-      MAPP_CHECK(t.device().is_cpu(), "backend 'mapp' moves CPU tensors, got one on ", t.device(),
-                 "; initialize with backend='cpu:mapp,cuda:nccl' for CUDA tensors");
-      if (t.is_sparse() || t.is_complex()) return false;
-    }
-    return true;
+    return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+      return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_complex();
+    });
   }
 
   static bool half_precision(const std::vector<at::Tensor>& tensors) {
