@@ -10,7 +10,7 @@ import os
 import pytest
 
 import torch
-from dist_harness import run_ranks
+from dist_harness import assert_no_stack_trace, free_port, run_ranks
 
 
 def _every_collective(rank, world, env):
@@ -197,9 +197,10 @@ def test_pretrain_gpt_on_the_mapp_backend_matches_gloo(tmp_path):
     for backend in ("gloo", "mapp"):
         out = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-             "--master-port", str(29600 + (backend == "mapp")), str(script), backend,
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), backend,
              str(tmp_path / backend)], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
+        assert_no_stack_trace(out.stdout + out.stderr)
         losses[backend] = [line for line in out.stdout.splitlines() if line.startswith("losses")]
     assert losses["mapp"] and losses["mapp"] == losses["gloo"]
 
