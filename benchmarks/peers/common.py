@@ -30,6 +30,9 @@ ADAM_BETAS = (0.9, 0.95)  # pretrain's (Megatron-LM's GPT recipe)
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    # The optimizer's implementation: torch.optim.AdamW's default loop, or its
+    # fused kernel (fused=True), which every stack can use (ours: FusedAdamW).
+    p.add_argument("--optimizer-impl", default="torch", choices=("torch", "fused"))
     for name, default in _INT_FLAGS:
         p.add_argument(f"--{name}", type=int, default=default)
     for name, default in _FLOAT_FLAGS:
@@ -153,3 +156,9 @@ def train_loop(args, step, evaluate, callbacks=None) -> list:
             rec["valid_loss"] = sum(evaluate(i) for i in range(args.eval_iters)) / args.eval_iters
         history.append(rec)
     return history
+
+
+def adamw(groups, args):
+    """The peers' AdamW as --optimizer-impl asks (fused: torch's fused kernel)."""
+    return torch.optim.AdamW(groups, lr=args.lr, betas=ADAM_BETAS,
+                             fused=True if args.optimizer_impl == "fused" else None)

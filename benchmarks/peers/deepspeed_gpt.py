@@ -111,10 +111,14 @@ def train(args, callbacks=None) -> dict:
                              partition_method="type:Block", activation_checkpoint_interval=0)
     else:
         net = full
-    engine, _, _, _ = deepspeed.initialize(
-        model=net, model_parameters=common.decay_groups(net.named_parameters(),
-                                                        args.weight_decay),
-        config=_config(args, dp))
+    groups = common.decay_groups(net.named_parameters(), args.weight_decay)
+    config = _config(args, dp)
+    if args.optimizer_impl == "fused":  # DeepSpeed's torch_adam passes no fused=: a client one
+        config.pop("optimizer")
+        engine, _, _, _ = deepspeed.initialize(model=net, optimizer=common.adamw(groups, args),
+                                               config=config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=groups, config=config)
     if pp > 1:
         dp_rank = engine.grid.get_data_parallel_rank()
     else:

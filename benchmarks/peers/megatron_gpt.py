@@ -216,8 +216,7 @@ def _train(args, callbacks, tp, pp, vp, GPTModel, local_spec, get_fb, Transforme
         load_reference(chunk, work.weights, tp_rank, tp, gated=cfg.swiglu)
         chunks.append(chunk)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    opt = torch.optim.AdamW(common.decay_groups(named, args.weight_decay), lr=args.lr,
-                            betas=common.ADAM_BETAS)
+    opt = common.adamw(common.decay_groups(named, args.weight_decay), args)
     m = args.global_batch_size // (args.micro_batch_size * dp)
     forward_backward = get_fb()
     positions = torch.arange(args.seq_length).unsqueeze(0)

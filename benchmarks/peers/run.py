@@ -598,7 +598,8 @@ def smoke(names, a) -> int:
     configuration's losses equal the first exact one's, step by step (1e-3),
     and every first loss agrees (lossy codecs start later). Prints JSON."""
     common = SUITE_SMOKE_MODEL.get(a.suite, SMOKE_MODEL) + [
-        "--train-iters", str(a.iters), "--eval-interval", str(a.iters), "--eval-iters", "1"]
+        "--train-iters", str(a.iters), "--eval-interval", str(a.iters), "--eval-iters", "1",
+        "--optimizer-impl", a.optimizer_impl]
     by_stack = {}
     for n in names:  # one launch per stack and c10d backend
         by_stack.setdefault((CONFIGS[n][0], backend_of(CONFIGS[n][2])), []).append(n)
@@ -655,6 +656,9 @@ def main(argv=None, suite="peers", out=None):
                    help="the default --configs and the name of the outputs (step: ours "
                         "against Megatron-Core, make bench-step)")
     p.add_argument("--topology", default="loopback,two-node")
+    p.add_argument("--optimizer-impl", default="torch", choices=("torch", "fused"),
+                   help="every stack's AdamW: torch's default loop, or fused (torch's "
+                        "fused=True for the peers, megatronapp's FusedAdamW for ours)")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--iters", type=int, default=150)
     p.add_argument("--eval-interval", type=int, default=10)
@@ -730,7 +734,7 @@ def main(argv=None, suite="peers", out=None):
                     convergence.setdefault(r["key"], r["steps_to_target"])
     model = a.model
     common = model + ["--train-iters", str(a.iters), "--eval-interval", str(a.eval_interval),
-                      "--eval-iters", str(a.eval_iters)]
+                      "--eval-iters", str(a.eval_iters), "--optimizer-impl", a.optimizer_impl]
     gbs = int(model[model.index("--global-batch-size") + 1])
     a.tokens_per_iter = gbs * int(model[model.index("--seq-length") + 1])
     os.makedirs(a.out, exist_ok=True)

@@ -212,8 +212,7 @@ def train(args, callbacks=None) -> dict:
                                        use_error_feedback=True, warm_start=True)
             wrapped.register_comm_hook(state, psgd.powerSGD_hook)
     named = list(model.named_parameters())
-    opt = torch.optim.AdamW(common.decay_groups(named, args.weight_decay), lr=args.lr,
-                            betas=common.ADAM_BETAS)
+    opt = common.adamw(common.decay_groups(named, args.weight_decay), args)
 
     m = args.global_batch_size // (args.micro_batch_size * dp)
     sched = None

@@ -58,7 +58,7 @@ from . import _collectives, gradients
 from .data_parallel import DistributedDataParallel
 from .parallel_state import ParallelState, get_parallel_state
 
-__all__ = ["MixedPrecisionOptimizer", "DistributedOptimizer", "Shard"]
+__all__ = ["MixedPrecisionOptimizer", "DistributedOptimizer", "Shard", "FusedAdamW"]
 
 
 @dataclass
@@ -300,3 +300,70 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for b in self.buckets:
             lo, hi = self._chunk_range(b)
             b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, b.group))
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW``'s update (decoupled weight decay, no amsgrad) in
+    one pass over memory per tensor: ``torch.ops.mapp.fused_adamw_``, the C++
+    core (``include/mapp/optim/adamw.h``; AVX2 where the CPU has it) on CPU
+    tensors and a CUDA kernel over up to 32 tensors per launch on GPUs.
+    torch's AdamW (its default, per-tensor loop) makes six passes.
+
+    Same constructor, same per-group hyper-parameters and the same state keys
+    (``step`` as a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``) as
+    ``torch.optim.AdamW``, so checkpoints move between the two and it can be
+    the inner optimizer of :class:`MixedPrecisionOptimizer` /
+    :class:`DistributedOptimizer` (``--optimizer-impl fused``). Parameters
+    must be float32 (the fp32 masters of a bf16/fp16 model are)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"FusedAdamW: invalid lr {lr}, eps {eps} or weight_decay "
+                             f"{weight_decay} (each must be >= 0)")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdamW: invalid betas {betas} (each in [0, 1))")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            # Tensors of one step count (a parameter whose grad was None on
+            # some steps counts fewer) and one device go in one call.
+            batches: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients")
+                if p.dtype != torch.float32:
+                    raise TypeError(f"FusedAdamW steps float32 parameters, got {p.dtype}; keep "
+                                    "fp32 master weights (MixedPrecisionOptimizer) for bf16/fp16")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.contiguous_format)
+                state["step"] += 1
+                key = (int(state["step"].item()), p.device)
+                batches.setdefault(key, ([], [], [], []))
+                if not p.is_contiguous():
+                    raise ValueError("FusedAdamW updates parameters in place and needs them "
+                                     "contiguous; got one with strides " + str(p.stride()))
+                ps, gs, ms, vs = batches[key]
+                ps.append(p)
+                gs.append(p.grad.contiguous())  # read only: a copy is fine
+                ms.append(state["exp_avg"])
+                vs.append(state["exp_avg_sq"])
+            beta1, beta2 = group["betas"]
+            for (step, _), (ps, gs, ms, vs) in batches.items():
+                torch.ops.mapp.fused_adamw_(ps, gs, ms, vs, float(group["lr"]), float(beta1),
+                                            float(beta2), float(group["eps"]),
+                                            float(group["weight_decay"]), step)
+        return loss

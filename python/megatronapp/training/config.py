@@ -303,6 +303,11 @@ class OptimConfig:
     min_lr: float = _flag(3e-4, "learning rate at the end of the cosine decay")
     lr_warmup_iters: int = _flag(10, "linear warm-up iterations")
     weight_decay: float = _flag(0.01, "AdamW weight decay (matrices only)")
+    optimizer_impl: str = _flag(
+        "torch", "AdamW's implementation: torch (torch.optim.AdamW, its per-tensor loop) or "
+        "fused (megatronapp.optimizer.FusedAdamW: one C++ pass over each tensor, AVX2 on CPU, "
+        "a multi-tensor CUDA kernel; same update and checkpoint keys)",
+        choices=("torch", "fused"))
     clip_grad: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
     train_iters: int = _flag(100, "training iterations")
     eval_iters: int = _flag(4, "validation batches per evaluation")

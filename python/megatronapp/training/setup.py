@@ -33,7 +33,7 @@ from ..data.gpt_dataset import GPTData
 from ..data_parallel import DistributedDataParallel
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
-from ..optimizer import DistributedOptimizer, MixedPrecisionOptimizer
+from ..optimizer import DistributedOptimizer, FusedAdamW, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
 from ..pipeline.fbd import program as fbd_program
@@ -380,15 +380,16 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
     groups = [{"params": [p for p in params if p.dim() >= 2],
                "weight_decay": config.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = FusedAdamW if config.optim.optimizer_impl == "fused" else torch.optim.AdamW
     if config.data_parallel.use_distributed_optimizer:
-        return DistributedOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
+        return DistributedOptimizer(chunks, adamw, groups, parallel_state=state,
                                     grad_scaler=grad_scaler(config),
                                     lr=config.optim.lr, betas=(0.9, 0.95))
     if config.precision.bf16 or config.precision.fp16:
-        return MixedPrecisionOptimizer(chunks, torch.optim.AdamW, groups, parallel_state=state,
+        return MixedPrecisionOptimizer(chunks, adamw, groups, parallel_state=state,
                                        grad_scaler=grad_scaler(config),
                                        lr=config.optim.lr, betas=(0.9, 0.95))
-    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95))
+    return adamw(groups, lr=config.optim.lr, betas=(0.9, 0.95))
 
 
 def build_dataset(config: Config):
