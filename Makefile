@@ -230,6 +230,7 @@ bench: build
 gpu-check: build
 	$(PY) -m pytest -q tests/gpu
 	$(PY) benchmarks/kernels_gpu.py
+	$(PY) benchmarks/optimizer_gpu.py
 	$(PY) benchmarks/codecs_gpu.py
 	$(PY) benchmarks/memory_gpu.py
 	$(PY) benchmarks/e2e/mfu_gpu.py
