@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <numeric>
 #include <utility>
@@ -25,6 +26,11 @@ namespace mapp::dist {
 
 #ifdef MAPP_HAVE_GLOO_HEADERS
 namespace {
+
+std::string tunable_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
+}
 
 using c10::intrusive_ptr;
 using c10d::Work;
@@ -100,7 +106,13 @@ class MappBackend final : public c10d::Backend {
       : Backend(rank, size), timeout_(timeout), label_("process group '" + group_name + "'") {
     auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", store);
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    // The interface the launcher names (GLOO_SOCKET_IFNAME, as torch's own Gloo
+    // groups honour it), else the hostname's address.
+    const std::string ifname = tunable_env("GLOO_SOCKET_IFNAME");
+    opts->devices.push_back(
+        ifname.empty() ? c10d::ProcessGroupGloo::createDefaultDevice()
+                       : c10d::ProcessGroupGloo::createDeviceForInterface(
+                             ifname.substr(0, ifname.find(','))));
     try {
       gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, opts);
     } catch (const std::exception& e) {
