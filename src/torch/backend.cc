@@ -178,9 +178,7 @@ class MappBackend final : public c10d::Backend {
         gloo_->allreduce_coalesced(same, opts)->wait();
         continue;
       }
-      std::vector<at::Tensor> flat_views;
-      for (auto& t : same) flat_views.push_back(t.reshape({-1}));
-      at::Tensor flat = at::cat(flat_views);
+      at::Tensor flat = flat_cat(same);
       reduce_in_place(flat, opts.reduceOp, opts.timeout);
       std::int64_t off = 0;
       for (auto& t : same) {
@@ -217,8 +215,7 @@ class MappBackend final : public c10d::Backend {
       const c10d::AllgatherOptions& opts) override {
     MAPP_CHECK(outputs.size() == inputs.size(), "allgather_into_tensor_coalesced: ",
                outputs.size(), " outputs for ", inputs.size(), " inputs");
-    std::vector<at::Tensor> all(outputs);
-    all.insert(all.end(), inputs.begin(), inputs.end());
+    const std::vector<at::Tensor> all = joined(outputs, inputs);
     if (!on_shm(all)) return gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts);
     for (std::size_t i = 0; i < inputs.size(); ++i) gather_into(outputs[i], inputs[i], opts.timeout);
     return done(outputs);
@@ -231,10 +228,7 @@ class MappBackend final : public c10d::Backend {
         inputs[0].size() != static_cast<std::size_t>(size_) ||
         !reducible(opts.reduceOp, outputs[0]))
       return gloo_->reduce_scatter(outputs, inputs, opts);
-    std::vector<at::Tensor> flat_views;
-    for (auto& t : inputs[0]) flat_views.push_back(t.reshape({-1}));
-    at::Tensor in = at::cat(flat_views);
-    scatter_into(outputs[0], in, opts.reduceOp, opts.timeout);
+    scatter_into(outputs[0], flat_cat(inputs[0]), opts.reduceOp, opts.timeout);
     return done(outputs);
   }
 
@@ -252,8 +246,7 @@ class MappBackend final : public c10d::Backend {
       const c10d::ReduceScatterOptions& opts) override {
     MAPP_CHECK(outputs.size() == inputs.size(), "reduce_scatter_tensor_coalesced: ",
                outputs.size(), " outputs for ", inputs.size(), " inputs");
-    std::vector<at::Tensor> all(outputs);
-    all.insert(all.end(), inputs.begin(), inputs.end());
+    const std::vector<at::Tensor> all = joined(outputs, inputs);
     if (!on_shm(all) || !all_reducible(opts.reduceOp, outputs)) {
       // Gloo has no coalesced reduce-scatter: one at a time.
       for (std::size_t i = 0; i < inputs.size(); ++i)
@@ -298,21 +291,16 @@ class MappBackend final : public c10d::Backend {
 
   intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                const c10d::AllToAllOptions& opts) override {
-    std::vector<at::Tensor> all(outputs);
-    all.insert(all.end(), inputs.begin(), inputs.end());
+    const std::vector<at::Tensor> all = joined(outputs, inputs);
     MAPP_CHECK(inputs.size() == static_cast<std::size_t>(size_) && outputs.size() == inputs.size(),
                "all_to_all: expected ", size_, " input and output tensors (one per member), got ",
                inputs.size(), " and ", outputs.size());
     MAPP_CHECK(same_dtype(all), "all_to_all: every input and output tensor must have one dtype");
     // One flat exchange with per-member sizes (Gloo has no list all-to-all).
-    std::vector<at::Tensor> in_views;
     std::vector<std::int64_t> send, recv;
-    for (auto& t : inputs) {
-      in_views.push_back(t.reshape({-1}));
-      send.push_back(t.numel());
-    }
+    for (auto& t : inputs) send.push_back(t.numel());
     for (auto& t : outputs) recv.push_back(t.numel());
-    at::Tensor in = at::cat(in_views);
+    at::Tensor in = flat_cat(inputs);
     at::Tensor out = at::empty({std::accumulate(recv.begin(), recv.end(), std::int64_t{0})},
                                outputs[0].options());
     alltoall_base(out, in, recv, send, opts)->wait();
@@ -379,6 +367,20 @@ class MappBackend final : public c10d::Backend {
     return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
       return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_complex();
     });
+  }
+
+  static std::vector<at::Tensor> joined(const std::vector<at::Tensor>& a,
+                                        const std::vector<at::Tensor>& b) {
+    std::vector<at::Tensor> out(a);
+    out.insert(out.end(), b.begin(), b.end());
+    return out;
+  }
+
+  // The tensors' elements, one after the other, in a new 1-D tensor.
+  static at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> views;
+    for (const auto& t : tensors) views.push_back(t.reshape({-1}));
+    return at::cat(views);
   }
 
   static bool half_precision(const std::vector<at::Tensor>& tensors) {
