@@ -139,6 +139,17 @@ CONFIGS = {
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
     "ours-pp-dp": ("ours", "ours: PP2 x DP2 zero-bubble, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    "ours-pp-dp-mapp": ("ours", "ours: PP2 x DP2 zero-bubble, pool, mapp backend", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--memory-pool", MAPP], True),
+    # DeepSpeed's best layout as it runs it: PP2 x DP2 with ZeRO-1.
+    "ours-pp-dp-zero1": ("ours", "ours: PP2 x DP2 zero-bubble, ZeRO-1, pool", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--use-distributed-optimizer", "--memory-pool"],
+        True),
+    # The same with the parameter all-gather overlapped with the next forward.
+    "ours-pp-dp-zero1-opg": ("ours", "ours: PP2 x DP2 zero-bubble, ZeRO-1, overlapped param gather, "
+                             "pool", PP2 + ["--pipeline-schedule", "zero-bubble",
+                                            "--use-distributed-optimizer", "--overlap-param-gather",
+                                            "--memory-pool"], True),
     "ours-pp-dp-int8": ("ours", "ours: PP2 x DP2 zero-bubble, int8 codec, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--grad-compression", "int8",
         "--grad-compression-start-iter", "2", "--memory-pool"], False),
@@ -175,7 +186,7 @@ SUITES = {
 SUITES["fair"] = ["megatron-tp2-pp2", "megatron-tp2-pp2-mapp", "megatron-pp4", "megatron-pp4-mapp",
                   "megatron-tp2-dp2-mapp", "deepspeed-pp", "deepspeed-pp-mapp", "ours-pp-1f1b",
                   "ours-pp-1f1b-gloo", "ours-pp-1f1b-mapp", "ours-pp4-1f1b", "ours-pp4",
-                  "ours-dp-exact"]
+                  "ours-pp-dp", "ours-pp-dp-zero1", "ours-pp-dp-zero1-opg", "ours-dp-exact"]
 # The Llama-shaped model (issue 41): ours against Megatron-Core with the same
 # block flags (RMSNorm, SwiGLU, RoPE, GQA, no biases).
 SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-pp4",
@@ -184,9 +195,11 @@ SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp"
 LLAMA_BLOCK = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
                "--disable-bias-linear"]
-# Like-for-like pairs whose per-phase profiles the report subtracts: ours, theirs.
+# Pairs whose per-phase profiles the report subtracts (ours, theirs): like for like,
+# then our best layouts against the best peer's (DeepSpeed PP2 x DP2 on the same transport).
 PAIRS = [("ours-pp-1f1b", "megatron-tp2-pp2"), ("ours-dp-exact", "megatron-tp2-dp2"),
-         ("ours-pp4-1f1b", "megatron-pp4")]
+         ("ours-pp4-1f1b", "megatron-pp4"), ("ours-pp-1f1b-mapp", "megatron-tp2-pp2-mapp"),
+         ("ours-pp4", "deepspeed-pp-mapp"), ("ours-pp-dp", "deepspeed-pp-mapp")]
 PY_SPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
 PROFILE_HZ = 200
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
@@ -456,7 +469,7 @@ def trace_phases(topology, key, a, port) -> dict:
 
     trace_dir = tempfile.mkdtemp(prefix="mapp_peers_trace_")
     stack, label, flags, _ = CONFIGS[key]
-    launch(topology, stack, [(stack, flags + a.model + [
+    launch(topology, stack, [(stack, flags + a.model + a.run_flags + [
         "--train-iters", str(a.phase_iters), "--eval-interval", "0", "--trace",
         "--trace-dir", trace_dir])], a, port, f"{label} (traced)")
     rows = breakdown_dir(trace_dir, skip=2)
@@ -471,7 +484,7 @@ def profile_phases(topology, key, a, port) -> dict:
 
     spy_dir = tempfile.mkdtemp(prefix="mapp_peers_spy_")
     stack, label, flags, _ = CONFIGS[key]
-    ranks = launch(topology, stack, [(stack, flags + a.model + [
+    ranks = launch(topology, stack, [(stack, flags + a.model + a.run_flags + [
         "--train-iters", str(a.profile_iters), "--eval-interval", "0"])], a, port,
         f"{label} (profiled)", profile_dir=spy_dir)
     hist = ranks[0]["runs"][0]["history"]
@@ -496,7 +509,7 @@ def format_profiles(topology, profiles: dict) -> str:
                      + " | ".join(f"{m[p]:.0f}" for p in PHASES) + " |")
     pairs = [(o, t) for o, t in PAIRS if o in profiles and t in profiles]
     if pairs:
-        lines += ["", "Ours minus Megatron-Core, per phase (ms per iteration; negative = "
+        lines += ["", "Ours minus the peer, per phase (ms per iteration; negative = "
                   "ours faster):", "", "| pair | step " + head,
                   "|---" * (len(PHASES) + 2) + "|"]
         for o, t in pairs:
@@ -512,13 +525,14 @@ def format_phases(topology, phases: dict) -> str:
     if not phases:
         return ""
     lines = [f"#### Where our step goes ({topology}; our tracer, mean ms per iteration, "
-             "iterations 3+ of a separate traced run)", "",
-             "| configuration | rank | iteration | " + " | ".join(PHASES) + " |",
-             "|---" * (len(PHASES) + 3) + "|"]
+             "iterations 3+ of a separate traced run; compute share = compute / iteration)", "",
+             "| configuration | rank | iteration | " + " | ".join(PHASES) + " | compute share |",
+             "|---" * (len(PHASES) + 4) + "|"]
     for key, ranks in phases.items():
         for rank, row in ranks.items():
             lines.append(f"| {CONFIGS[key][1]} | {rank} | {row['iteration']:.0f} | "
-                         + " | ".join(f"{row[p]:.0f}" for p in PHASES) + " |")
+                         + " | ".join(f"{row[p]:.0f}" for p in PHASES)
+                         + f" | {100 * row['compute'] / row['iteration']:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -528,7 +542,61 @@ def _fmt_range(v, rng, digits):
     return f"{v:.{digits}f} ({rng[0]:.{digits}f}–{rng[1]:.{digits}f})"
 
 
-def report(topology, rows, a) -> str:
+def transport(key: str) -> str:
+    """How configuration ``key`` moves its collectives: "mapp" (every group on the
+    mapp c10d backend), "shm" (ours on its own groups: the same shared-memory
+    collectives as mapp, send/recv on Gloo as mapp does) or "gloo"."""
+    stack, _, flags, _ = CONFIGS[key]
+    if backend_of(flags) == "mapp":
+        return "mapp"
+    if stack == "ours" and ENV_FLAG + "MAPP_SHM_COLLECTIVES=0" not in flags:
+        return "shm"
+    return "gloo"
+
+
+# (title, our transports, the peers' transports) of the report's comparisons.
+COMPARISONS = [
+    ("same transport (shared memory: the peers on the mapp backend)", ("mapp", "shm"), ("mapp",)),
+    ("same transport (Gloo for every stack)", ("gloo",), ("gloo",)),
+    ("each at its best (any transport)", ("mapp", "shm", "gloo"), ("mapp", "gloo")),
+]
+# Like for like on the same transport: ours, Megatron-Core's.
+LIKE_FOR_LIKE = [("ours-pp-1f1b-mapp", "megatron-tp2-pp2-mapp"),
+                 ("ours-pp-1f1b-gloo", "megatron-tp2-pp2"), ("ours-pp4", "megatron-pp4-mapp")]
+
+
+def comparisons(rows) -> list:
+    """The report's headline ratios: (title, our best row, the best peer row,
+    ratio of tokens/s) for each of COMPARISONS whose sides both ran, then the
+    like-for-like pairs."""
+    out = []
+    for title, ours_t, peers_t in COMPARISONS:
+        o = [r for r in rows if r["stack"] == "ours" and transport(r["key"]) in ours_t]
+        t = [r for r in rows if r["stack"] != "ours" and transport(r["key"]) in peers_t]
+        if o and t:
+            bo = max(o, key=lambda r: r["tokens_per_s"])
+            bt = max(t, key=lambda r: r["tokens_per_s"])
+            out.append((title, bo, bt, bo["tokens_per_s"] / bt["tokens_per_s"]))
+    by_key = {r["key"]: r for r in rows}
+    for o, t in LIKE_FOR_LIKE:
+        if o in by_key and t in by_key:
+            out.append((f"like for like, {transport(t)}", by_key[o], by_key[t],
+                        by_key[o]["tokens_per_s"] / by_key[t]["tokens_per_s"]))
+    return out
+
+
+def compute_shares(phases: dict, profiles: dict) -> dict:
+    """key -> compute as a share of the step: our tracer's (mean over ranks of
+    compute / iteration) for ours, else py-spy's (compute / step)."""
+    out = {}
+    for key, prof in profiles.items():
+        out[key] = prof["mean"]["compute"] / prof["mean"]["step"]
+    for key, ranks in phases.items():
+        out[key] = statistics.fmean(r["compute"] / r["iteration"] for r in ranks.values())
+    return out
+
+
+def report(topology, rows, a, shares=None) -> str:
     peers = [r for r in rows if r["stack"] != "ours"]
     best_tps = max(peers, key=lambda r: r["tokens_per_s"])
     reached = [r for r in peers if r["seconds_to_target"] is not None]
@@ -569,6 +637,17 @@ def report(topology, rows, a) -> str:
             lines[-1] += (f"; cost to target {f['seconds_to_target'] / best_cost['seconds_to_target']:.2f}"
                           f" (`{f['name']}`)")
         lines[-1] += "."
+    table = comparisons(rows)
+    if table:
+        shares = shares or {}
+
+        def share(r):
+            return f"{100 * shares[r['key']]:.0f}%" if r["key"] in shares else "-"
+        lines += ["", "| comparison | ours | step s | compute share | peer | step s | "
+                  "compute share | ours vs peer |", "|---|---|---|---|---|---|---|---|"]
+        for title, o, t, ratio in table:
+            lines.append(f"| {title} | {o['name']} | {o['step_s']:.3f} | {share(o)} | "
+                         f"{t['name']} | {t['step_s']:.3f} | {share(t)} | **{ratio:.2f}x** |")
     return "\n".join(lines) + "\n"
 
 
@@ -733,8 +812,11 @@ def main(argv=None, suite="peers", out=None):
                 if r.get("steps_to_target") and not r.get("target_estimated"):
                     convergence.setdefault(r["key"], r["steps_to_target"])
     model = a.model
-    common = model + ["--train-iters", str(a.iters), "--eval-interval", str(a.eval_interval),
-                      "--eval-iters", str(a.eval_iters), "--optimizer-impl", a.optimizer_impl]
+    # What every run of a configuration gets besides the model: the timed, the traced
+    # and the profiled ones alike.
+    a.run_flags = ["--optimizer-impl", a.optimizer_impl]
+    common = model + a.run_flags + ["--train-iters", str(a.iters), "--eval-interval",
+                                    str(a.eval_interval), "--eval-iters", str(a.eval_iters)]
     gbs = int(model[model.index("--global-batch-size") + 1])
     a.tokens_per_iter = gbs * int(model[model.index("--seq-length") + 1])
     os.makedirs(a.out, exist_ok=True)
@@ -761,23 +843,29 @@ def main(argv=None, suite="peers", out=None):
             teardown()
         results[topology] = [merge_repeats(runs[name]) for name in names]
         estimate_targets(results[topology], convergence)
-    stem = os.path.join(a.out, suite)
-    with open(stem + ".json", "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
-                   "model_flags": model, "date": time.strftime("%Y-%m-%d %H:%M"),
-                   "megatron_core": megatron_version(),
-                   "results": results, "phases": phases, "profiles": profiles}, f, indent=1)
-    md = "".join(report(t, rows, a) + "\n" + format_phases(t, phases.get(t, {})) + "\n"
-                 + format_profiles(t, profiles.get(t, {})) + "\n"
-                 for t, rows in results.items())
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    plot(results, stem + ".png")
+        # Written after every topology: a failure in the next one keeps this one's.
+        md = write_outputs(os.path.join(a.out, suite), a, model, results, phases, profiles)
     print(f"\nMegatron-Core {megatron_version()}")
     print(f"\nGPT {' '.join(model)}; {a.iters} iterations, 4 ranks, validation every "
           f"{a.eval_interval}, target loss {a.target_loss}, {a.repeats} repeat(s): medians\n")
     print(md, end="")
 
+
+def write_outputs(stem, a, model, results, phases, profiles) -> str:
+    """<stem>.json, .md and .png of the topologies run so far; returns the markdown."""
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
+                   "model_flags": model, "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "megatron_core": megatron_version(),
+                   "results": results, "phases": phases, "profiles": profiles}, f, indent=1)
+    md = "".join(report(t, rows, a, compute_shares(phases.get(t, {}), profiles.get(t, {})))
+                 + "\n" + format_phases(t, phases.get(t, {})) + "\n"
+                 + format_profiles(t, profiles.get(t, {})) + "\n"
+                 for t, rows in results.items())
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(results, stem + ".png")
+    return md
 
 if __name__ == "__main__":
     main()

@@ -79,6 +79,7 @@ class Bucket:
     shard: torch.Tensor | None = None  # ZeRO-1: this rank's averaged fp32 grad chunk
     ready: set = field(default_factory=set)
     handle: object | None = None  # the CommWork of the reduction in flight
+    gather: object | None = None  # ZeRO-1 overlap_param_gather: the parameter all-gather in flight
     raw_bytes: int = 0
     sent_bytes: int = 0
     exact: bool = False  # never compressed (TP-replicated parameters)
@@ -166,6 +167,8 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self._sync_steps = 0
         self._step_stats = {"raw_bytes": 0, "sent_bytes": 0}
+        self._gathers_pending = False
+        self._gather_hooks = None  # installed by the first start_param_sync()
         self._build_buckets()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                        for b in self.buckets for p in b.params]
@@ -296,8 +299,69 @@ class DistributedDataParallel(nn.Module):
                 b.shard = torch.zeros(padded // world, dtype=torch.float32, device=grad.device)
                 b.state.clear()
 
+    # ---- ZeRO-1: the parameter all-gather, overlapped with the next forward --------
+    def start_param_sync(self) -> None:
+        """Submits every bucket's parameter all-gather (ZeRO-1: each rank's
+        updated chunk of ``param_data`` to all) on the bucket group's
+        communication thread and returns at once. A forward pre-hook of each
+        module waits for the buckets of its own parameters just before it
+        runs, so the gathers overlap the next forward (Megatron-LM's
+        ``--overlap-param-gather``); :meth:`finish_param_sync` waits for all."""
+        if not self._zero:
+            raise RuntimeError("start_param_sync needs ZeRO-1 buckets (DistributedOptimizer)")
+        self.finish_param_sync()
+        if self._gather_hooks is None:
+            self._install_gather_hooks()
+        for b in self.buckets:
+            if b.group.size() > 1:
+                b.gather = torch.ops.mapp.param_all_gather_async(b.param_data, b.group.group_name)
+        self._gathers_pending = any(b.gather is not None for b in self.buckets)
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Waits for the parameter all-gathers in flight (of `buckets`, default
+        all). Anything that reads or writes the parameters outside a forward
+        (checkpoints, the optimizer, evaluation) calls it first; cheap when
+        nothing is in flight."""
+        if not self._gathers_pending:
+            return
+        for b in (self.buckets if buckets is None else buckets):
+            if b.gather is not None:
+                work, b.gather = b.gather, None
+                with _trace.scope("param_gather_wait", "collective", lane=0):
+                    work.wait()
+        self._gathers_pending = any(b.gather is not None for b in self.buckets)
+
+    def _install_gather_hooks(self) -> None:
+        """A forward pre-hook on every module that owns parameters, waiting for
+        the buckets that hold them. A module owns its direct parameters and
+        those of the child modules it reads without calling them (children
+        without a forward of their own: containers, parameter holders such as
+        the MoE experts that a grouped GEMM reads)."""
+        of_param = {id(p): b for b in self.buckets for p in b.params}
+
+        def owned(m):
+            yield from m.parameters(recurse=False)
+            for c in m.children():
+                if type(c).forward is nn.Module.forward:  # never called: read by m
+                    yield from owned(c)
+
+        self._gather_hooks = []
+        for m in self.module.modules():
+            if type(m).forward is nn.Module.forward:
+                continue  # not callable: its parameters belong to its parent's hook
+            own = {b.index: b for p in owned(m) if (b := of_param.get(id(p))) is not None}
+            if own:
+                buckets = list(own.values())
+                self._gather_hooks.append(m.register_forward_pre_hook(
+                    lambda _m, _a, bs=buckets: self.finish_param_sync(bs)
+                    if self._gathers_pending else None))
+
     # ---- per-step machinery ----------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._gathers_pending and not (torch.is_grad_enabled() and self.training):
+            # Evaluation: collectives over the data group follow (the loss
+            # average) and may not overlap a gather of the same group.
+            self.finish_param_sync()
         for b in self.buckets:
             self._attach_grads(b, zero=True)
             b.ready.clear()
@@ -383,6 +447,10 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Submits the remaining buckets, waits for all, records statistics."""
+        # Parameters no forward touched this step (an expert without tokens)
+        # still have their gather in flight: finish it before the step's
+        # collectives over the data group.
+        self.finish_param_sync()
         if not self._callback_queued:
             return  # nothing started in this backward (or already finished)
         self._callback_queued = False
@@ -443,7 +511,9 @@ class DistributedDataParallel(nn.Module):
 
     # state_dict / parameters pass through to the wrapped module
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
         return self.module.load_state_dict(*args, **kwargs)

@@ -271,6 +271,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     sharded = True
 
+    def __init__(self, ddp, optimizer_class=torch.optim.AdamW, param_groups: list | None = None,
+                 *, overlap_param_gather: bool = False, **kwargs):
+        """``overlap_param_gather``: the all-gather of the updated parameters
+        returns at once and each module waits for its own buckets just before
+        its next forward (Megatron-LM's ``--overlap-param-gather``); without
+        it the step waits for the whole gather."""
+        super().__init__(ddp, optimizer_class, param_groups, **kwargs)
+        self.overlap_param_gather = overlap_param_gather
+
     def _chunk_range(self, b) -> tuple:
         # A bucket's own group: the data group, or for MoE experts the
         # expert-data-parallel group.
@@ -295,11 +304,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _write_back(self) -> None:
+        for d in self.ddps:
+            d.finish_param_sync()  # (the forward waited for them already)
         for pc in self._pieces:
             pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
+        if self.overlap_param_gather:
+            for d in self.ddps:
+                d.start_param_sync()
+            return
         for b in self.buckets:
             lo, hi = self._chunk_range(b)
             b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, b.group))
+
+    def finish_param_sync(self) -> None:
+        """Waits for the parameter all-gathers in flight (overlap_param_gather)."""
+        for d in self.ddps:
+            d.finish_param_sync()
 
 
 class FusedAdamW(torch.optim.Optimizer):

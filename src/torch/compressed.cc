@@ -8,6 +8,7 @@
 #include "c10d_util.h"
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/ops.h"
 #include "mapp/trace/tracer.h"
 
 namespace mapp::torch_ext {
@@ -337,6 +338,26 @@ c10::intrusive_ptr<CommWork> compressed_reduce_scatter_async(at::Tensor buf, at:
     at::Tensor mine = compressed_reduce_scatter(buf, opts.spec, state, opts.layout, opts.average,
                                                 opts.group_name, &st);
     out.copy_(mine);
+    return st;
+  });
+}
+
+c10::intrusive_ptr<CommWork> param_all_gather_async(at::Tensor buf, const std::string& group_name) {
+  MAPP_CHECK(buf.dim() == 1 && buf.is_contiguous(),
+                   "param_all_gather_async: needs a contiguous 1-D parameter buffer, got shape ",
+                   buf.sizes());
+  auto pg = resolve(group_name);
+  const std::int64_t world = pg->getSize(), rank = pg->getRank();
+  MAPP_CHECK(buf.numel() % world == 0, "param_all_gather_async: a buffer of ", buf.numel(),
+                   " elements does not split into ", world, " equal chunks (pad it to a multiple)");
+  return submit("zero-1 parameter all-gather", group_name, {buf}, [=]() mutable {
+    trace::Scope scope("zero-1 parameter all-gather", trace::Category::kCollective);
+    scope.event().bytes = buf.nbytes();
+    const std::int64_t c = buf.numel() / world;
+    // all_gather's own dtype handling (bf16 over Gloo) and shared-memory path.
+    buf.copy_(all_gather(buf.narrow(0, rank * c, c).clone(), 0, group_name));
+    CommStats st;
+    st.raw_bytes = st.sent_bytes = (world - 1) * c * buf.element_size();
     return st;
   });
 }

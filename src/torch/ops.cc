@@ -292,6 +292,10 @@ Work op_reduce_scatter_async(at::Tensor buf, const std::string& spec, std::vecto
                                          std::move(state));
 }
 
+Work op_param_all_gather_async(at::Tensor buf, const std::string& group) {
+  return param_all_gather_async(std::move(buf), group);
+}
+
 std::vector<std::int64_t> work_wait(const Work& work, std::int64_t timeout_ms) {
   return to_vec(timeout_ms < 0 ? work->wait() : work->wait(std::chrono::milliseconds(timeout_ms)));
 }
@@ -446,6 +450,10 @@ TORCH_LIBRARY(mapp, m) {
       "compressed_reduce_scatter_async(Tensor buf, str spec, Tensor[] state, int[] layout, "
       "Tensor out, bool average, str group_name) -> __torch__.torch.classes.mapp.CommWork",
       &mapp::torch_ext::op_reduce_scatter_async);
+  m.def(
+      "param_all_gather_async(Tensor(a!) buf, str group_name) -> "
+      "__torch__.torch.classes.mapp.CommWork",
+      &mapp::torch_ext::op_param_all_gather_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
         &mapp::torch_ext::work_wait);
 }

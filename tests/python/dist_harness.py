@@ -407,6 +407,8 @@ def train_variants(rank, world, flags, variants: dict, out_dir, iters: int = 2):
         args = build_parser().parse_args(flags + extra + ["--output-dir", out_dir])
         run = build_run(Config.from_args(args))
         losses = [train_step(run, it).loss for it in range(iters)]
+        # ZeRO-1 with --overlap-param-gather: the weights are whole once waited for.
+        getattr(run.optimizer, "finish_param_sync", lambda: None)()
         grads, params = [], []
         for c in run.chunks:
             for p in c.module.parameters():

@@ -35,8 +35,11 @@ def _train(rank, world, extra, out_dir):
      "--grad-compression", "int8", "--bf16"],
     ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble", "--fp16",
      "--initial-loss-scale", "4096", "--loss-scale-window", "2"],
+    # saved while the parameter all-gathers of the step are still in flight
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble",
+     "--use-distributed-optimizer", "--overlap-param-gather", "--async-save"],
 ], ids=["tp2xdp2-zero1-int8", "pp2xdp2-zb-async", "bf16-tp2xdp2-zero1-int8",
-        "fp16-pp2xdp2-zb-scaler"])
+        "fp16-pp2xdp2-zb-scaler", "pp2xdp2-zb-zero1-overlap-param-gather"])
 def test_resume_is_bit_identical(tmp_path, layout):
     ck = str(tmp_path / "ck")
     full = run_ranks(_train, 4, layout + ["--train-iters", "6", "--save", ck,

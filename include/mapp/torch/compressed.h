@@ -68,6 +68,13 @@ c10::intrusive_ptr<CommWork> compressed_reduce_scatter_async(at::Tensor buf, at:
                                                              const CompressedOptions& opts,
                                                              std::vector<at::Tensor> state);
 
+// ZeRO-1's parameter gather, asynchronously: `buf` is a bucket's whole 1-D
+// parameter buffer, split into group-size equal chunks; every member's chunk
+// (chunk r of member r, the range its optimizer updated) is gathered into every
+// member's `buf`. `buf` must not be read until the work is waited for
+// (DistributedOptimizer with overlap_param_gather waits in forward pre-hooks).
+c10::intrusive_ptr<CommWork> param_all_gather_async(at::Tensor buf, const std::string& group_name);
+
 // Fresh state tensors of a codec for a buffer of n elements over `world` ranks
 // (zero residuals; PowerSGD's Q drawn from `seed`, the same on every rank).
 std::vector<at::Tensor> codec_state(const codec::Spec& spec, std::int64_t n, std::int64_t world,

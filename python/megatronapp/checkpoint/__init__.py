@@ -70,6 +70,15 @@ def _global_name(module, local: str) -> str:
     return local
 
 
+def _finish_param_sync(chunks) -> None:
+    """ZeRO-1 with overlap_param_gather: the parameters are complete only once
+    their all-gathers in flight are done."""
+    for c in chunks:
+        finish = getattr(c, "finish_param_sync", None)
+        if finish is not None:
+            finish()
+
+
 def _params(chunks) -> list:
     """(global name, param) of every parameter of this rank's chunks."""
     out = []
@@ -168,6 +177,7 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
         _PENDING = None
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    _finish_param_sync(chunks)
     rank = dist.get_rank()
     name = f"iter_{iteration:07d}"
     final = os.path.join(directory, name)
@@ -401,6 +411,7 @@ def load(directory_or_path: str, chunks, optimizer=None, *, config: dict | None 
     the dict above) before touching the model or the optimizer."""
     state = resolve_state(parallel_state)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    _finish_param_sync(chunks)
     found = read_metadata(directory_or_path)
     if found is None:
         return None

@@ -101,6 +101,9 @@ class DataParallelConfig:
     bucket_size_mb: float = _flag(25.0, "gradient bucket size")
     no_overlap_grad_reduce: bool = _flag(
         False, "reduce gradients at the end of backward instead of during it")
+    overlap_param_gather: bool = _flag(
+        False, "ZeRO-1: all-gather the updated parameters in the background, each module "
+        "waiting for its own just before its next forward (needs --use-distributed-optimizer)")
 
 
 @dataclass
@@ -633,6 +636,9 @@ class Config:
                 Compression(spec)
             except (ValueError, RuntimeError) as e:
                 raise ConfigError(f"--grad-compression {spec}: {e}") from None
+        if self.data_parallel.overlap_param_gather and not self.data_parallel.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather overlaps ZeRO-1's parameter all-gather: it "
+                              "needs --use-distributed-optimizer")
         if self.data_parallel.bucket_size_mb <= 0:
             raise ConfigError(f"--bucket-size-mb must be positive, got "
                               f"{self.data_parallel.bucket_size_mb}")
@@ -797,6 +803,10 @@ class Config:
             if v > 1:
                 raise ValueError("--forward-backward-disaggregating runs one model chunk per "
                                  "stage; drop --virtual-pipeline-model-parallel-size")
+            if self.data_parallel.overlap_param_gather:
+                raise ValueError("--forward-backward-disaggregating sends the new weights to the "
+                                 "forward ranks right after the step; drop "
+                                 "--overlap-param-gather")
             if par.context_parallel_size > 1 or self.moe.num_experts is not None:
                 raise ValueError("--forward-backward-disaggregating does not run with context "
                                  "parallelism or MoE layers yet; drop --context-parallel-size / "

@@ -68,6 +68,8 @@ def train(args, callbacks=None, hooks=(), task=None) -> dict:
                 break
             history.append(record)
         wall = time.perf_counter() - start
+        # --overlap-param-gather: the last step's gathers end before anyone reads the weights.
+        getattr(run.optimizer, "finish_param_sync", lambda: None)()
         last = stopped_at or optim.train_iters
         if ckpt.save and saved_at != last:
             save(run, last, hooks)

@@ -384,6 +384,7 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
     if config.data_parallel.use_distributed_optimizer:
         return DistributedOptimizer(chunks, adamw, groups, parallel_state=state,
                                     grad_scaler=grad_scaler(config),
+                                    overlap_param_gather=config.data_parallel.overlap_param_gather,
                                     lr=config.optim.lr, betas=(0.9, 0.95))
     if config.precision.bf16 or config.precision.fp16:
         return MixedPrecisionOptimizer(chunks, adamw, groups, parallel_state=state,
