@@ -20,17 +20,14 @@
 #ifdef MAPP_HAVE_GLOO_HEADERS
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "gloo_device.h"
 #endif
 
 namespace mapp::dist {
 
 #ifdef MAPP_HAVE_GLOO_HEADERS
 namespace {
-
-std::string tunable_env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? std::string() : std::string(v);
-}
 
 using c10::intrusive_ptr;
 using c10d::Work;
@@ -106,13 +103,7 @@ class MappBackend final : public c10d::Backend {
       : Backend(rank, size), timeout_(timeout), label_("process group '" + group_name + "'") {
     auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", store);
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    // The interface the launcher names (GLOO_SOCKET_IFNAME, as torch's own Gloo
-    // groups honour it), else the hostname's address.
-    const std::string ifname = tunable_env("GLOO_SOCKET_IFNAME");
-    opts->devices.push_back(
-        ifname.empty() ? c10d::ProcessGroupGloo::createDefaultDevice()
-                       : c10d::ProcessGroupGloo::createDeviceForInterface(
-                             ifname.substr(0, ifname.find(','))));
+    opts->devices.push_back(torch_ext::internal::gloo_device());  // honours GLOO_SOCKET_IFNAME
     try {
       gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, opts);
     } catch (const std::exception& e) {

@@ -28,6 +28,8 @@
 
 #ifdef MAPP_HAVE_GLOO_HEADERS
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "gloo_device.h"
 #endif
 #ifdef MAPP_HAVE_NCCL_PG
 #include <c10/cuda/CUDAFunctions.h>
@@ -165,7 +167,7 @@ void create_group(const c10::intrusive_ptr<c10d::Store>& store, const std::strin
   const int size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  opts->devices.push_back(torch_ext::internal::gloo_device());  // honours GLOO_SOCKET_IFNAME
   c10::intrusive_ptr<c10d::ProcessGroupGloo> backend;
   try {
     backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, me, size, opts);
