@@ -139,8 +139,6 @@ CONFIGS = {
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
     "ours-pp-dp": ("ours", "ours: PP2 x DP2 zero-bubble, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
-    "ours-pp-dp-mapp": ("ours", "ours: PP2 x DP2 zero-bubble, pool, mapp backend", PP2 + [
-        "--pipeline-schedule", "zero-bubble", "--memory-pool", MAPP], True),
     # DeepSpeed's best layout as it runs it: PP2 x DP2 with ZeRO-1.
     "ours-pp-dp-zero1": ("ours", "ours: PP2 x DP2 zero-bubble, ZeRO-1, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--use-distributed-optimizer", "--memory-pool"],
@@ -532,7 +530,7 @@ def format_phases(topology, phases: dict) -> str:
         for rank, row in ranks.items():
             lines.append(f"| {CONFIGS[key][1]} | {rank} | {row['iteration']:.0f} | "
                          + " | ".join(f"{row[p]:.0f}" for p in PHASES)
-                         + f" | {100 * row['compute'] / row['iteration']:.0f}% |")
+                         + f" | {100 * _compute_share(row):.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -592,8 +590,13 @@ def compute_shares(phases: dict, profiles: dict) -> dict:
     for key, prof in profiles.items():
         out[key] = prof["mean"]["compute"] / prof["mean"]["step"]
     for key, ranks in phases.items():
-        out[key] = statistics.fmean(r["compute"] / r["iteration"] for r in ranks.values())
+        out[key] = statistics.fmean(_compute_share(r) for r in ranks.values())
     return out
+
+
+def _compute_share(row: dict) -> float:
+    """Compute / iteration of one rank's row of our tracer's phases."""
+    return row["compute"] / row["iteration"]
 
 
 def report(topology, rows, a, shares=None) -> str:
@@ -866,6 +869,7 @@ def write_outputs(stem, a, model, results, phases, profiles) -> str:
         f.write(md)
     plot(results, stem + ".png")
     return md
+
 
 if __name__ == "__main__":
     main()

@@ -353,8 +353,7 @@ class DistributedDataParallel(nn.Module):
             if own:
                 buckets = list(own.values())
                 self._gather_hooks.append(m.register_forward_pre_hook(
-                    lambda _m, _a, bs=buckets: self.finish_param_sync(bs)
-                    if self._gathers_pending else None))
+                    lambda _m, _a, bs=buckets: self.finish_param_sync(bs)))
 
     # ---- per-step machinery ----------------------------------------------------
     def forward(self, *args, **kwargs):
