@@ -146,14 +146,15 @@ struct Caps {
 // when the memory cap has room for all v of its chunks, so it can always
 // finish its forwards and the plan never deadlocks on memory.
 Schedule plan(const std::string& name, int p, int m, int v, bool backward_first, const Caps& caps,
-              const Costs& costs) {
+              const Costs& costs, Placement placement = Placement::kLoop,
+              double* makespan = nullptr) {
   for (int st = 0; st < p; ++st) {
     MAPP_CHECK(caps.memory[st] >= v, "pipeline planner '", name, "': a memory limit of ",
                caps.memory[st], " activations on stage ", st, " is below the ", v,
                " chunks one microbatch needs; raise memory_limit to at least ", v);
   }
-  const Topo t{p, v};
-  Schedule out = internal::empty(name, p, m, v);
+  const Topo t{p, v, placement == Placement::kWave};
+  Schedule out = internal::empty(name, p, m, v, placement);
   // Arrival times of messages: act[vs][mb] (input of virtual stage vs),
   // grad[vs][mb] (output gradient of virtual stage vs). kInf = not yet sent.
   std::vector<std::vector<double>> act(p * v, std::vector<double>(m, kInf));
@@ -177,10 +178,11 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
   }
   const int per_stage = 3 * m * v;
   auto send = [&](int from, int to, double at, bool forward_dir) {
-    const int link = forward_dir ? from : to;
-    double& lf = link_free[link * 2 + (forward_dir ? 0 : 1)];
+    if (from == to) return at;  // a hand-off between two chunks of one stage
+    const int slot = t.link_slot(from, to, forward_dir);
+    double& lf = link_free[slot];
     const double start = std::max(at, lf);
-    lf = start + costs.p2p[link];
+    lf = start + costs.p2p[slot / 2];
     return lf;
   };
   // Candidate availability on a stage: returns (time, kind, mb, chunk).
@@ -290,6 +292,10 @@ Schedule plan(const std::string& name, int p, int m, int v, bool backward_first,
       --S.live;
     }
   }
+  if (makespan != nullptr) {
+    *makespan = 0;
+    for (const auto& S : stages) *makespan = std::max(*makespan, S.free);
+  }
   add_communication(out);
   return out;
 }
@@ -337,6 +343,38 @@ Schedule zero_bubble(int p, int m) {
   }
   add_communication(s);
   return s;
+}
+
+Schedule zb_v(int p, int m, const std::optional<Costs>& costs) {
+  internal::check_shape(p, m, 2, "zb-v");
+  MAPP_CHECK(p > 1, "zb-v: needs more than one pipeline stage");
+  const Costs c = costs ? *costs : Costs::uniform(p);
+  c.check(p);
+  // 1F1B's activation memory: p microbatches through a whole stage, i.e. 2p
+  // through one of its two chunks, on every stage (or all m if fewer). The
+  // planner runs depth-first (backwards first, then the deepest chunk's
+  // forwards); the weight gradients kept in reserve before they take
+  // priority over forwards fill the bubbles: the reserve with the shortest
+  // predicted step wins (ties: the smaller reserve).
+  const int memory = std::min(2 * p, 2 * m);
+  Schedule best;
+  double best_t = kInf;
+  // The search: forwards without their input gradient (the window) from
+  // p to the whole memory, and reserves up to p + 2 (wider ones never won
+  // for p <= 8); backwards first always won. Scored by the planner's own
+  // time model, so a plan of p = 16, m = 64 takes well under a second.
+  for (int window = std::min(p, memory); window <= memory; ++window) {
+    for (int lag = 0; lag <= std::min(memory, p + 2); ++lag) {
+      Caps caps{std::vector<int>(p, memory), std::vector<int>(p, window), std::vector<int>(p, lag)};
+      double mk = 0;
+      Schedule s = plan("zb-v", p, m, 2, true, caps, c, Placement::kWave, &mk);
+      if (mk < best_t * (1 - 1e-9)) {
+        best_t = mk;
+        best = std::move(s);
+      }
+    }
+  }
+  return best;
 }
 
 Schedule dynamic(int p, int m, int v, Policy policy, std::optional<int> memory_limit,

@@ -9,13 +9,32 @@
 
 namespace mapp::pipeline::internal {
 
-// Virtual-stage arithmetic: chunk c of stage s is virtual stage c * p + s.
+// Virtual-stage arithmetic of a placement (see Placement): loop, chunk c of
+// stage s is virtual stage c*p + s; wave, odd chunks run from stage p-1 down.
 struct Topo {
   int p, v;
-  int vstage(int stage, int chunk) const { return chunk * p + stage; }
-  int stage_of(int vs) const { return vs % p; }
+  bool wave = false;
+  static Topo of(const Schedule& s) { return {s.stages, s.chunks, s.placement == Placement::kWave}; }
+  int vstage(int stage, int chunk) const {
+    return chunk * p + (wave && chunk % 2 == 1 ? p - 1 - stage : stage);
+  }
+  int stage_of(int vs) const {
+    const int c = vs / p, r = vs % p;
+    return wave && c % 2 == 1 ? p - 1 - r : r;
+  }
   int chunk_of(int vs) const { return vs / p; }
   int last() const { return p * v - 1; }
+  // Whether the message between virtual stages vs and vs + 1 stays on one stage.
+  bool local(int vs) const { return stage_of(vs) == stage_of(vs + 1); }
+  // Index into a [link * 2 + direction] table of the link a transfer from
+  // stage `from` to stage `to` uses. Loop placement: link `from` for
+  // activations, link `to` for gradients (direction 0 / 1), as the ring
+  // p-1 -> 0 is a link of its own. Wave: the physical link between the two
+  // neighbours, direction 0 upwards (s -> s+1) and 1 downwards.
+  int link_slot(int from, int to, bool activation) const {
+    if (!wave) return activation ? from * 2 : to * 2 + 1;
+    return to > from ? from * 2 : to * 2 + 1;
+  }
 };
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -37,7 +56,8 @@ std::pair<int, double> earliest_stage(int p, F&& time_of) {
 }
 
 void check_shape(int p, int m, int v, const char* what);
-Schedule empty(const std::string& name, int p, int m, int v);
+Schedule empty(const std::string& name, int p, int m, int v,
+               Placement placement = Placement::kLoop);
 
 // Largest number of live activations (microbatch x chunk units) that
 // (interleaved) 1F1B keeps on `stage`.

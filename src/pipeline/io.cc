@@ -55,7 +55,9 @@ void finish_import(Schedule& s) {
 std::string to_csv(const Schedule& s) {
   std::ostringstream os;
   os << "# megatronapp schedule name=" << s.name << " stages=" << s.stages
-     << " microbatches=" << s.microbatches << " chunks=" << s.chunks << "\n";
+     << " microbatches=" << s.microbatches << " chunks=" << s.chunks;
+  if (s.placement != Placement::kLoop) os << " placement=" << placement_name(s.placement);
+  os << "\n";
   os << "stage,type,microbatch,chunk,peer\n";
   for (int st = 0; st < s.stages; ++st) {
     for (const auto& a : s.actions[st]) {
@@ -88,6 +90,7 @@ Schedule from_csv(const std::string& text) {
         if (key == "stages") s.stages = parse_int(val, "stages", lineno);
         if (key == "microbatches") s.microbatches = parse_int(val, "microbatches", lineno);
         if (key == "chunks") s.chunks = parse_int(val, "chunks", lineno);
+        if (key == "placement") s.placement = parse_placement(val);
       }
       continue;
     }
@@ -121,6 +124,7 @@ std::string to_json(const Schedule& s) {
   j["stages"] = s.stages;
   j["microbatches"] = s.microbatches;
   j["chunks"] = s.chunks;
+  if (s.placement != Placement::kLoop) j["placement"] = placement_name(s.placement);
   auto& stages = j["actions"] = nlohmann::json::array();
   for (const auto& list : s.actions) {
     auto arr = nlohmann::json::array();
@@ -162,6 +166,10 @@ Schedule from_json(const std::string& text) {
   s.stages = get_int(j, "stages", "(top level)");
   s.microbatches = get_int(j, "microbatches", "(top level)");
   s.chunks = get_int(j, "chunks", "(top level)", 1);
+  if (j.contains("placement")) {
+    MAPP_CHECK(j["placement"].is_string(), "schedule JSON: 'placement' must be \"loop\" or \"wave\"");
+    s.placement = parse_placement(j["placement"].get<std::string>());
+  }
   check_dims(s, "JSON");
   MAPP_CHECK(j.contains("actions") && j["actions"].is_array() &&
                  static_cast<int>(j["actions"].size()) == s.stages,

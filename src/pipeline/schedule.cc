@@ -27,6 +27,18 @@ ActionType parse_type(const std::string& name) {
   return ActionType::kForward;
 }
 
+const char* placement_name(Placement p) { return p == Placement::kWave ? "wave" : "loop"; }
+
+Placement parse_placement(const std::string& name) {
+  if (name == "loop") return Placement::kLoop;
+  if (name == "wave") return Placement::kWave;
+  MAPP_CHECK(false, "unknown chunk placement '", name, "' (expected loop or wave)");
+  return Placement::kLoop;
+}
+
+int Schedule::vstage(int stage, int chunk) const { return internal::Topo::of(*this).vstage(stage, chunk); }
+int Schedule::stage_of(int vs) const { return internal::Topo::of(*this).stage_of(vs); }
+
 std::string to_string(const Action& a) {
   std::ostringstream os;
   os << type_name(a.type) << "(mb=" << a.microbatch << ", chunk=" << a.chunk;
@@ -72,12 +84,13 @@ void check_shape(int p, int m, int v, const char* what) {
              " model chunks per stage (virtual pipeline) need more than one pipeline stage");
 }
 
-Schedule empty(const std::string& name, int p, int m, int v) {
+Schedule empty(const std::string& name, int p, int m, int v, Placement placement) {
   Schedule s;
   s.name = name;
   s.stages = p;
   s.microbatches = m;
   s.chunks = v;
+  s.placement = placement;
   s.actions.resize(p);
   return s;
 }
@@ -87,8 +100,7 @@ Schedule empty(const std::string& name, int p, int m, int v) {
 // ---- communication -------------------------------------------------------------
 
 void add_communication(Schedule& s) {
-  using internal::Topo;
-  const Topo t{s.stages, s.chunks};
+  const auto t = internal::Topo::of(s);
   if (s.stages == 1 || s.has_communication()) return;
   for (int st = 0; st < s.stages; ++st) {
     const auto& in = s.actions[st];
@@ -100,11 +112,11 @@ void add_communication(Schedule& s) {
       const Action& a = in[i];
       const int vs = t.vstage(st, a.chunk);
       const std::size_t at = i == 0 ? 0 : i - 1;
-      if (a.type == ActionType::kForward && vs > 0) {
+      if (a.type == ActionType::kForward && vs > 0 && !t.local(vs - 1)) {
         recv_before[at].push_back(
             {ActionType::kRecvActivation, a.microbatch, a.chunk, t.stage_of(vs - 1)});
       } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
-                 vs < t.last()) {
+                 vs < t.last() && !t.local(vs)) {
         recv_before[at].push_back(
             {ActionType::kRecvGrad, a.microbatch, a.chunk, t.stage_of(vs + 1)});
       }
@@ -114,10 +126,10 @@ void add_communication(Schedule& s) {
       for (const auto& r : recv_before[i]) out.push_back(r);
       out.push_back(a);
       const int vs = t.vstage(st, a.chunk);
-      if (a.type == ActionType::kForward && vs < t.last()) {
+      if (a.type == ActionType::kForward && vs < t.last() && !t.local(vs)) {
         out.push_back({ActionType::kSendActivation, a.microbatch, a.chunk, t.stage_of(vs + 1)});
       } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
-                 vs > 0) {
+                 vs > 0 && !t.local(vs - 1)) {
         out.push_back({ActionType::kSendGrad, a.microbatch, a.chunk, t.stage_of(vs - 1)});
       }
     }
@@ -143,6 +155,7 @@ struct Expect {
   bool needs = false;
   int peer = -1;
   MsgKey key{};
+  bool local = false;  // a hand-off between two chunks of this stage
 };
 
 // What a transfer action (or a compute action's input) corresponds to.
@@ -150,19 +163,19 @@ Expect message_of(const internal::Topo& t, int stage, const Action& a) {
   const int vs = t.vstage(stage, a.chunk);
   switch (a.type) {
     case ActionType::kSendActivation:
-      if (vs < t.last()) return {true, t.stage_of(vs + 1), {0, a.microbatch, vs + 1}};
+      if (vs < t.last()) return {true, t.stage_of(vs + 1), {0, a.microbatch, vs + 1}, t.local(vs)};
       break;
     case ActionType::kRecvActivation:
     case ActionType::kForward:
-      if (vs > 0) return {true, t.stage_of(vs - 1), {0, a.microbatch, vs}};
+      if (vs > 0) return {true, t.stage_of(vs - 1), {0, a.microbatch, vs}, t.local(vs - 1)};
       break;
     case ActionType::kSendGrad:
-      if (vs > 0) return {true, t.stage_of(vs - 1), {1, a.microbatch, vs - 1}};
+      if (vs > 0) return {true, t.stage_of(vs - 1), {1, a.microbatch, vs - 1}, t.local(vs - 1)};
       break;
     case ActionType::kRecvGrad:
     case ActionType::kBackward:
     case ActionType::kBackwardInput:
-      if (vs < t.last()) return {true, t.stage_of(vs + 1), {1, a.microbatch, vs}};
+      if (vs < t.last()) return {true, t.stage_of(vs + 1), {1, a.microbatch, vs}, t.local(vs)};
       break;
     default:
       break;
@@ -183,7 +196,10 @@ std::string validate_impl(const Schedule& s) {
     return err.str();
   }
   if (s.chunks > 1 && s.stages == 1) return "a schedule with several chunks needs stages > 1";
-  const internal::Topo t{s.stages, s.chunks};
+  if (s.placement == Placement::kWave && s.chunks < 2) {
+    return "the wave placement needs at least two chunks per stage";
+  }
+  const auto t = internal::Topo::of(s);
   const int m = s.microbatches, v = s.chunks;
   const bool comm = s.has_communication() || s.stages == 1;
   if (!comm) return "schedule has no send/recv actions (call add_communication first)";
@@ -195,6 +211,7 @@ std::string validate_impl(const Schedule& s) {
     // state per (mb, chunk): bit 0 F, 1 B, 2 BI, 3 W
     std::vector<int> done(static_cast<std::size_t>(m) * v, 0);
     std::map<MsgKey, std::size_t> posted;
+    std::map<MsgKey, bool> handed;  // hand-offs between this stage's chunks, once produced
     const auto& list = s.actions[st];
     for (std::size_t i = 0; i < list.size(); ++i) {
       const Action& a = list[i];
@@ -225,6 +242,11 @@ std::string validate_impl(const Schedule& s) {
           d |= 8;
           break;
         default: {
+          if (e.needs && e.local) {
+            return where(st, i, a) +
+                   ": no such transfer (the neighbouring virtual stage sits on this stage too; "
+                   "two chunks of one stage hand off without a send or receive)";
+          }
           if (!e.needs) {
             return where(st, i, a) + ": no such transfer (the " +
                    (a.type == ActionType::kSendActivation || a.type == ActionType::kRecvGrad
@@ -252,7 +274,22 @@ std::string validate_impl(const Schedule& s) {
           }
         }
       }
-      if (a.is_compute() && e.needs && s.stages > 1 && !posted.count(e.key)) {
+      if (a.is_compute()) {  // record the hand-offs this action produces for a later chunk
+        const int vs = t.vstage(st, a.chunk);
+        if (a.type == ActionType::kForward && vs < t.last() && t.local(vs)) {
+          handed[{0, a.microbatch, vs + 1}] = true;
+        } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
+                   vs > 0 && t.local(vs - 1)) {
+          handed[{1, a.microbatch, vs - 1}] = true;
+        }
+      }
+      if (a.is_compute() && e.needs && e.local && !handed.count(e.key)) {
+        return where(st, i, a) + ": its input comes from this stage's own chunk (virtual stage " +
+               std::to_string(a.type == ActionType::kForward ? std::get<2>(e.key) - 1
+                                                             : std::get<2>(e.key) + 1) +
+               "), which must run first";
+      }
+      if (a.is_compute() && e.needs && !e.local && s.stages > 1 && !posted.count(e.key)) {
         return where(st, i, a) + ": its input is never received before it (add a " +
                (a.type == ActionType::kForward ? "RECV_ACT" : "RECV_GRAD") +
                " earlier on this stage)";
@@ -303,7 +340,7 @@ std::string validate_impl(const Schedule& s) {
       while (pc[st] < list.size()) {
         const Action& a = list[pc[st]];
         const Expect e = message_of(t, st, a);
-        if (a.is_compute() && e.needs && s.stages > 1 && !sent.count(e.key)) break;
+        if (a.is_compute() && e.needs && !e.local && s.stages > 1 && !sent.count(e.key)) break;
         if (a.type == ActionType::kSendActivation || a.type == ActionType::kSendGrad) {
           sent[e.key] = true;
         }

@@ -19,7 +19,7 @@ SimResult simulate(const Schedule& sched, const Costs& costs) {
   add_communication(s);
   check_valid(s);
   costs.check(s.stages);
-  const internal::Topo t{s.stages, s.chunks};
+  const auto t = internal::Topo::of(s);
   const int p = s.stages;
   // Arrival time of each message, keyed (kind, microbatch, consuming vstage).
   std::map<std::tuple<int, int, int>, double> arrival;
@@ -70,10 +70,10 @@ SimResult simulate(const Schedule& sched, const Costs& costs) {
       case ActionType::kSendActivation:
       case ActionType::kSendGrad: {
         const bool fwd = a.type == ActionType::kSendActivation;
-        const int link = fwd ? st : a.peer;
-        double& lf = link_free[link * 2 + (fwd ? 0 : 1)];
+        const int slot = t.link_slot(st, a.peer, fwd);
+        double& lf = link_free[slot];
         const double start = std::max(when, lf);
-        lf = start + costs.p2p[link];
+        lf = start + costs.p2p[slot / 2];
         arrival[{fwd ? 0 : 1, a.microbatch, fwd ? vs + 1 : vs - 1}] = lf;
         r.timeline.push_back({st, a, start, lf});
         continue;
@@ -83,6 +83,13 @@ SimResult simulate(const Schedule& sched, const Costs& costs) {
     }
     free[st] = when + dur;
     r.busy[st] += dur;
+    // A hand-off to this stage's other chunk arrives when its producer ends.
+    if (a.type == ActionType::kForward && vs < t.last() && t.local(vs)) {
+      arrival[{0, a.microbatch, vs + 1}] = free[st];
+    } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
+               vs > 0 && t.local(vs - 1)) {
+      arrival[{1, a.microbatch, vs - 1}] = free[st];
+    }
     r.timeline.push_back({st, a, when, when + dur});
   }
   for (int st = 0; st < p; ++st) {

@@ -230,18 +230,33 @@ void register_pipeline(py::module_& parent) {
       .def("__repr__", [](const pl::Action& a) { return pl::to_string(a); });
   py::class_<pl::Schedule>(m, "Schedule")
       .def(py::init([](const std::string& name, int stages, int microbatches, int chunks,
-                       std::vector<std::vector<pl::Action>> actions) {
-             pl::Schedule s{name, stages, microbatches, chunks, std::move(actions)};
+                       std::vector<std::vector<pl::Action>> actions,
+                       const std::string& placement) {
+             pl::Schedule s{name, stages, microbatches, chunks, std::move(actions),
+                            pl::parse_placement(placement)};
              pl::add_communication(s);
              pl::check_valid(s);
              return s;
            }),
            py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("chunks"),
-           py::arg("actions"))
+           py::arg("actions"), py::arg("placement") = "loop")
       .def_readonly("name", &pl::Schedule::name)
       .def_readonly("stages", &pl::Schedule::stages)
       .def_readonly("microbatches", &pl::Schedule::microbatches)
       .def_readonly("chunks", &pl::Schedule::chunks)
+      .def_property_readonly("placement",
+                             [](const pl::Schedule& s) { return pl::placement_name(s.placement); })
+      .def("vstage", [](const pl::Schedule& s, int stage, int chunk) {
+        MAPP_CHECK(stage >= 0 && stage < s.stages && chunk >= 0 && chunk < s.chunks, "stage ",
+                   stage, " / chunk ", chunk, " out of range (", s.stages, " stages, ", s.chunks,
+                   " chunks)");
+        return s.vstage(stage, chunk);
+      }, py::arg("stage"), py::arg("chunk"))
+      .def("stage_of", [](const pl::Schedule& s, int vs) {
+        MAPP_CHECK(vs >= 0 && vs < s.virtual_stages(), "virtual stage ", vs, " out of range [0, ",
+                   s.virtual_stages(), ")");
+        return s.stage_of(vs);
+      }, py::arg("vstage"))
       .def("actions", [](const pl::Schedule& s, int stage) {
         MAPP_CHECK(stage >= 0 && stage < s.stages, "stage ", stage, " out of range [0, ",
                    s.stages, ")");
@@ -268,6 +283,7 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("backward_input", &pl::Costs::backward_input)
       .def_readonly("backward_weight", &pl::Costs::backward_weight)
       .def_readonly("p2p", &pl::Costs::p2p);
+  m.def("zb_v", &pl::zb_v, py::arg("p"), py::arg("m"), py::arg("costs") = std::nullopt);
   m.def("dynamic", [](int p, int mb, int v, const std::string& policy,
                       std::optional<int> memory_limit, std::optional<pl::Costs> costs) {
     return pl::dynamic(p, mb, v, pl::parse_policy(policy), memory_limit, costs);

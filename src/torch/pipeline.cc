@@ -213,6 +213,10 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
   MAPP_CHECK(static_cast<int>(chunks.size()) == v, "forward_backward: schedule '", schedule.name,
              "' has ", v, " chunks per stage but ", chunks.size(), " model chunks were given");
   const int stage = st.pp_rank();
+  MAPP_CHECK(schedule.placement == pipeline::Placement::kLoop, "forward_backward (C++ trainers): "
+             "schedule '", schedule.name, "' places its chunks in a wave (zb-v), which only the "
+             "Python executor (pretrain_gpt.py) runs so far; use 1f1b, interleaved, zero-bubble "
+             "or dynamic here");
   MAPP_CHECK(p == 1 || schedule.has_communication(), "forward_backward: schedule '", schedule.name,
              "' has no sends or receives (pipeline::add_communication inserts them)");
   std::vector<Action> actions;

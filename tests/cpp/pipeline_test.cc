@@ -294,3 +294,88 @@ TEST(PipelineSimulator, ChromeTraceIsWellFormed) {
   EXPECT_NE(json.find("\"name\":\"F1.1\""), std::string::npos);
   EXPECT_NE(json.find("\"send activations\""), std::string::npos);
 }
+
+// ZB-V: two chunks per stage in a V; stage 0 holds the first and the last
+// virtual stage and stage p-1 turns the microbatch around without a transfer.
+TEST(PipelineZBV, WavePlacementIsValidAndHandsOffLocally) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {1, 2, 3, 4, 8, 9}) {
+      const auto s = pl::zb_v(p, m);
+      ASSERT_EQ(pl::validate(s), "") << "p=" << p << " m=" << m;
+      EXPECT_EQ(s.placement, pl::Placement::kWave);
+      EXPECT_EQ(s.chunks, 2);
+      EXPECT_EQ(s.vstage(0, 0), 0);
+      EXPECT_EQ(s.vstage(0, 1), 2 * p - 1);
+      EXPECT_EQ(s.vstage(p - 1, 1), p);
+      for (int vs = 0; vs < 2 * p; ++vs) EXPECT_EQ(s.vstage(s.stage_of(vs), s.chunk_of(vs)), vs);
+      // Sends per stage: m activations and m gradients leave each end stage
+      // (stage p-1 hands the turn to itself), twice that from a middle stage.
+      for (int st = 0; st < p; ++st) {
+        int sends = 0;
+        for (const auto& a : s.actions[st])
+          sends += a.type == ActionType::kSendActivation || a.type == ActionType::kSendGrad;
+        EXPECT_EQ(sends, (st == 0 || st == p - 1 ? 2 : 4) * m) << "p=" << p << " stage " << st;
+      }
+    }
+  }
+}
+
+TEST(PipelineZBV, ReachesTheLowerBoundWithinOneF1BMemory) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m = 1; m <= 3 * p + 1; ++m) {
+      const auto zbv = pl::simulate(pl::zb_v(p, m), pl::Costs::uniform(p, 1, 1, 1));
+      // The same model as one chunk per stage: every action costs twice.
+      const auto c2 = pl::Costs::uniform(p, 2, 2, 2);
+      const auto h1 = pl::simulate(pl::zero_bubble(p, m), c2);
+      const auto ofob = pl::simulate(pl::one_f_one_b(p, m), c2);
+      EXPECT_LE(zbv.makespan, h1.makespan) << "p=" << p << " m=" << m;
+      if (m == p || m == 2 * p) {
+        // The last stage cannot start before p-1 forwards of one chunk; after
+        // that the step is all compute, and ZB-H1's bubble is halved.
+        EXPECT_NEAR(zbv.makespan, 6.0 * m + (p - 1), 1e-9) << "p=" << p << " m=" << m;
+        EXPECT_NEAR(bubble_time(zbv), bubble_time(h1) / 2, 1e-9) << "p=" << p << " m=" << m;
+      }
+      // Memory: at most 1F1B's first stage (p microbatches of a whole stage,
+      // i.e. 2p chunk activations) on every stage.
+      for (int peak : zbv.peak_activations) EXPECT_LE(peak, 2 * ofob.peak_activations[0]);
+    }
+  }
+  // Planned under measured costs: a slow last stage still beats ZB-H1.
+  pl::Costs slow = pl::Costs::uniform(4, 1, 1, 1, 0.05);
+  slow.forward[3] = slow.backward_input[3] = slow.backward_weight[3] = 1.5;
+  pl::Costs slow2 = slow;
+  for (auto* v : {&slow2.forward, &slow2.backward_input, &slow2.backward_weight})
+    for (double& x : *v) x *= 2;
+  EXPECT_LT(pl::simulate(pl::zb_v(4, 8, slow), slow).makespan,
+            pl::simulate(pl::zero_bubble(4, 8), slow2).makespan);
+}
+
+TEST(PipelineZBV, RoundTripsAndRejectsTransfersInsideAStage) {
+  const auto s = pl::zb_v(3, 4);
+  for (const auto& t : {pl::from_csv(pl::to_csv(s)), pl::from_json(pl::to_json(s))}) {
+    EXPECT_EQ(t.placement, pl::Placement::kWave);
+    EXPECT_EQ(t.actions, s.actions);
+  }
+  EXPECT_NE(pl::to_csv(s).find("placement=wave"), std::string::npos);
+  // Stage 1 of 2 holds virtual stages 1 and 2 (the turn): a send between
+  // them is refused.
+  pl::Schedule bad{"bad", 2, 1, 2, {{}, {}}, pl::Placement::kWave};
+  bad.actions[0] = {{ActionType::kForward, 0, 0, -1},      {ActionType::kSendActivation, 0, 0, 1},
+                    {ActionType::kRecvActivation, 0, 1, 1}, {ActionType::kForward, 0, 1, -1},
+                    {ActionType::kBackward, 0, 1, -1},     {ActionType::kSendGrad, 0, 1, 1},
+                    {ActionType::kRecvGrad, 0, 0, 1},      {ActionType::kBackward, 0, 0, -1}};
+  bad.actions[1] = {{ActionType::kRecvActivation, 0, 0, 0}, {ActionType::kForward, 0, 0, -1},
+                    {ActionType::kSendActivation, 0, 0, 1}};
+  EXPECT_NE(pl::validate(bad).find("two chunks of one stage hand off"), std::string::npos)
+      << pl::validate(bad);
+  // A chunk that consumes its neighbour's hand-off before it is produced.
+  pl::Schedule early{"early", 2, 1, 2, {{}, {}}, pl::Placement::kWave};
+  early.actions[0] = {{ActionType::kForward, 0, 0, -1}, {ActionType::kForward, 0, 1, -1},
+                      {ActionType::kBackward, 0, 1, -1}, {ActionType::kBackward, 0, 0, -1}};
+  early.actions[1] = {{ActionType::kForward, 0, 1, -1}, {ActionType::kForward, 0, 0, -1},
+                      {ActionType::kBackward, 0, 0, -1}, {ActionType::kBackward, 0, 1, -1}};
+  pl::add_communication(early);
+  EXPECT_NE(pl::validate(early).find("comes from this stage's own chunk"), std::string::npos)
+      << pl::validate(early);
+  EXPECT_THROW(pl::parse_placement("zigzag"), mapp::ValueError);
+}

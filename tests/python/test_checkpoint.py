@@ -55,6 +55,25 @@ def test_resume_is_bit_identical(tmp_path, layout):
 
 
 @pytest.mark.timeout(600)
+def test_zb_v_resumes_bit_identically_and_reshards_into_one_rank(tmp_path):
+    """ZB-V's wave puts layers 0 and 3 (and the tied embedding and output
+    layer) on stage 0: a ZeRO-1 PP2 x DP2 checkpoint resumes bit for bit and
+    loads into one rank's 1F1B model (the global layer names do not move)."""
+    ck = str(tmp_path / "ck")
+    zbv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+           "--use-distributed-optimizer"]
+    full = run_ranks(_train, 4, zbv + ["--train-iters", "4", "--save", ck, "--save-interval", "3"],
+                     str(tmp_path / "a"))
+    resumed = run_ranks(_train, 4, zbv + ["--train-iters", "4", "--load",
+                                          os.path.join(ck, "iter_0000003")], str(tmp_path / "b"))
+    for (a, _), (b, _) in zip(full, resumed, strict=True):
+        assert b == a[3:], (a, b)  # exact float equality
+    one = run_ranks(_train, 1, ["--train-iters", "4", "--load", os.path.join(ck, "iter_0000003")],
+                    str(tmp_path / "c"))
+    assert abs(one[0][0][0] - full[0][0][3]) < 1e-5, (one[0][0], full[0][0])
+
+
+@pytest.mark.timeout(600)
 def test_reshard_tp2_pp2_into_tp1_and_dp4(tmp_path):
     ck = str(tmp_path / "ck")
     src = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]

@@ -72,6 +72,10 @@ def reference_losses_4layers(tmp_path_factory):
          "--sequence-parallel", "--pipeline-schedule", "gpipe"]),
     (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dynamic",
          "--pipeline-replan-interval", "2", "--use-distributed-optimizer"]),  # pp 2 x dp 2
+    # ZB-V: stage 0 holds layers 0 and 3, the embedding and the tied output layer
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-schedule", "zb-v", "--use-distributed-optimizer"]),
 ])
 def test_gpt_pipeline_losses_match_single_process(reference_losses_4layers, tmp_path, world,
                                                   extra):
@@ -95,6 +99,8 @@ def test_gpt_pipeline_losses_match_single_process(reference_losses_4layers, tmp_
          "--pipeline-layer-layout", "1,2"], "must have positive counts summing to --num-layers 4"),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-layout", "1,x"],
      "expected comma-separated layer counts"),
+    (2, ["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+         "--virtual-pipeline-model-parallel-size", "3"], "runs two model chunks per stage"),
 ])
 def test_bad_pipeline_configuration_is_rejected_before_any_collective(world, extra, message):
     from megatronapp.pretrain import build_parser

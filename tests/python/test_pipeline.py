@@ -1,5 +1,6 @@
 """Pipeline parallelism: the executor on real Gloo ranks (PP=2, PP=4,
-PP=2 x TP=2, PP=2 x DP=2 with DDP) for every schedule against the
+PP=2 x TP=2, PP=2 x DP=2 with DDP) for every schedule (ZB-V's wave
+placement included) against the
 single-process model; schedules and simulator from Python."""
 
 import pytest
@@ -61,13 +62,14 @@ def _reference(rank, world, configs):
 def _run(rank, world, tp, pp, v_list, m, use_ddp):
     import megatronapp as mapp
     from megatronapp import pipeline
+    from megatronapp.pipeline.layout import virtual_stage
 
     state = mapp.initialize_model_parallel(tp, pp)
     dp = state.dp_size
     out = {}
-    for v, names in v_list:
+    for v, names, *placement in v_list:
         blocks = _blocks(pp * v)
-        mine = [(c * pp + state.pp_rank) for c in range(v)]
+        mine = [virtual_stage(state.pp_rank, c, pp, *placement) for c in range(v)]
         chunks = [torch.nn.Sequential(blocks[vs]) for vs in mine]
         if use_ddp:
             chunks = [mapp.data_parallel.DistributedDataParallel(c, bucket_size_mb=0.0005)
@@ -113,7 +115,7 @@ def test_executor_gradients_match_single_process(reference, tp, pp, world, ddp):
     at TP2 x PP2 the stages exchange halves (scatter/gather over the tensor
     group), and every rank sent exactly its share of the bytes."""
     m = 4
-    v_list = [(1, V1), (2, V2)]
+    v_list = [(1, V1), (2, V2), (2, ["zb-v"], "wave")]
     results = run_ranks(_run, world, tp, pp, v_list, m, ddp, timeout=600)
     dp = world // (tp * pp)
     checked = 0

@@ -1,10 +1,14 @@
 // Pipeline schedules as data.
 //
 // A schedule is, for every pipeline stage, the ordered list of actions that
-// stage runs in one training step. Compute actions name a (microbatch, chunk):
-// with v model chunks per stage, chunk c of stage s is virtual stage c*p + s
-// (Megatron's interleaved layout), so activations flow s -> s+1 inside a chunk
-// and from stage p-1 chunk c to stage 0 chunk c+1. Communication actions post a
+// stage runs in one training step. Compute actions name a (microbatch, chunk).
+// With v model chunks per stage the placement says which virtual stage a chunk
+// is: in the loop placement (Megatron's interleaved layout) chunk c of stage s
+// is virtual stage c*p + s, so activations flow s -> s+1 inside a chunk and
+// from stage p-1 chunk c to stage 0 chunk c+1; in the wave placement (the V of
+// ZB-V) odd chunks run backwards, chunk c of stage s being c*p + p-1-s, so a
+// turn from one chunk to the next stays on its stage (a local hand-off, no
+// transfer) and the first and last virtual stage share stage 0. Communication actions post a
 // non-blocking send or receive; a compute action waits only for the receive of
 // its own input, which must have been posted earlier on the same stage.
 //
@@ -53,14 +57,26 @@ const char* type_name(ActionType t);             // "F", "B", "BI", "W", "SEND_A
 ActionType parse_type(const std::string& name);  // inverse; ValueError if unknown
 std::string to_string(const Action& a);  // "F(mb=3, chunk=0)", "SEND_ACT(mb=3, chunk=0, peer=1)"
 
+enum class Placement : std::uint8_t {
+  kLoop,  // chunk c of stage s is virtual stage c*p + s (interleaved 1F1B)
+  kWave,  // even chunks c*p + s, odd chunks c*p + p-1-s (ZB-V's V shape)
+};
+const char* placement_name(Placement p);             // "loop", "wave"
+Placement parse_placement(const std::string& name);  // inverse; ValueError if unknown
+
 struct Schedule {
   std::string name;
   int stages = 0;
   int microbatches = 0;
   int chunks = 1;
   std::vector<std::vector<Action>> actions;  // [stage] -> ordered actions
+  Placement placement = Placement::kLoop;
 
   int virtual_stages() const { return stages * chunks; }
+  // The virtual stage of `chunk` on `stage`, and back.
+  int vstage(int stage, int chunk) const;
+  int stage_of(int vstage) const;
+  int chunk_of(int vstage) const { return vstage / stages; }
   bool has_communication() const;
   // Peak number of (microbatch, chunk) activations held on `stage`: from the
   // start of F until the end of B, or of W when the backward is split.
@@ -79,11 +95,19 @@ Schedule zero_bubble(int p, int m);         // ZB-H1: 1F1B memory, W fills bubbl
 // each stage (size p). A full backward costs backward_input + backward_weight.
 // p2p: seconds of one transfer over link s (stage s <-> stage (s+1) % p, both
 // directions; size p). Each direction of a link carries one message at a time.
+// A hand-off between two chunks of one stage (wave placement) is free.
 struct Costs {
   std::vector<double> forward, backward_input, backward_weight, p2p;
   static Costs uniform(int p, double f = 1, double bi = 1, double bw = 1, double p2p = 0);
   void check(int p) const;  // ValueError when sizes or values are wrong
 };
+
+// ZB-V (Qi et al. 2024): two chunks per stage in the wave placement, backward
+// split into BI and W, planned depth-first within 1F1B's activation memory
+// (2p chunk activations = p microbatches of a whole stage) under `costs`
+// (uniform by default), keeping the weight-gradient reserve that gives the
+// shortest predicted step.
+Schedule zb_v(int p, int m, const std::optional<Costs>& costs = {});
 
 // The dynamic planner: an event-driven list scheduler that, whenever a stage is
 // free, picks the next ready action by policy, with the backward split so that

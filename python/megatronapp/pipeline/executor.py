@@ -21,6 +21,10 @@ stage, which all-gathers the slices over the tensor group (Megatron-LM's
 scatter/gather optimization, Narayanan et al. 2021): the pipeline link carries
 one copy of each activation and gradient instead of tp copies.
 
+With the ``wave`` placement (ZB-V) the turn from one chunk to the next stays
+on its stage: the output is handed to the other chunk as if it had arrived
+(a copy that requires grad), and the input gradient goes back the same way.
+
 Chunks that implement :class:`GradSync` (megatronapp's
 :class:`~megatronapp.data_parallel.DistributedDataParallel` does) synchronize
 only during their final backward (and final W), so a chunk's data-parallel
@@ -316,6 +320,11 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
     final = set() if forward_only else _final_backwards(actions, v)
     syncs = [c if isinstance(c, GradSync) else None for c in chunks]
     last_vs = p * v - 1
+    vstage = [schedule.vstage(stage, c) for c in range(v)]
+    # hand-offs between two chunks of this stage (wave placement), by virtual stage
+    local_in = [vs > 0 and schedule.stage_of(vs - 1) == stage for vs in vstage]
+    local_out = [vs < last_vs and schedule.stage_of(vs + 1) == stage for vs in vstage]
+    handed: dict = {}  # (kind, mb, consuming vstage) -> tensor
     batch = _Batches(data_iterator)
     a_peer = _recv_peers(actions)
 
@@ -333,7 +342,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                     deferred.enter_context(d.deferred_grad_sync())
         for i, a in enumerate(actions):
             mb, c = a.microbatch, a.chunk
-            vs = c * p + stage
+            vs = vstage[c]
             if a.type == "RECV_ACT":
                 p2p.post_recv((0, mb, vs), a.peer)
             elif a.type == "RECV_GRAD":
@@ -345,11 +354,17 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                 p2p.send((1, mb, vs - 1), stash.pop((mb, c))[0].grad, a.peer)
             else:
                 if a.type == "F":
-                    x = batch(mb)[0] if vs == 0 else p2p.wait_recv((0, mb, vs), a_peer(i))
+                    if vs == 0:
+                        x = batch(mb)[0]
+                    elif local_in[c]:
+                        x = handed.pop((0, mb, vs))
+                    else:
+                        x = p2p.wait_recv((0, mb, vs), a_peer(i))
                     if vs > 0 and not forward_only:
                         x.requires_grad_(True)
                 elif a.type in ("B", "BI") and vs < last_vs:
-                    dy = p2p.wait_recv((1, mb, vs), a_peer(i))
+                    dy = (handed.pop((1, mb, vs)) if local_out[c]
+                          else p2p.wait_recv((1, mb, vs), a_peer(i)))
                 t0 = time.perf_counter()
                 t0_ns = time.monotonic_ns() if p2p.trace else 0
                 busy = _trace.BusyTimer() if p2p.trace else None
@@ -359,7 +374,9 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                         loss = loss_fn(out, batch(mb)[1])
                         result.losses.append(loss.detach())
                         out = loss / m
-                    if not (forward_only and vs == last_vs):
+                    if local_out[c]:  # as if sent: a copy, so the two chunks share no storage
+                        handed[(0, mb, vs + 1)] = out.detach().clone()
+                    if not (forward_only and (vs == last_vs or local_out[c])):
                         stash[(mb, c)] = (x, out)
                     live += 1
                     result.peak_activations = max(result.peak_activations, live)
@@ -382,12 +399,16 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                                 live -= 1
                             if vs == 0:
                                 stash.pop((mb, c))
+                            elif local_in[c]:
+                                handed[(1, mb, vs - 1)] = stash.pop((mb, c))[0].grad
                             else:
                                 stash[(mb, c)] = (x, None)
                 times[a.type].append(time.perf_counter() - t0)
                 if p2p.trace:
                     busy.record(_TRACE_NAMES[a.type], "compute", t0_ns, time.monotonic_ns(), mb=mb, chunk=c)
         p2p.finish()
+        if handed:
+            raise RuntimeError(f"forward_backward: hand-offs between chunks never used: {list(handed)}")
         for d in syncs:
             if d is not None and not forward_only:
                 d.finish_grad_sync()

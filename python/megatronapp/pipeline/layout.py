@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["layer_layout", "parse_layout"]
+__all__ = ["layer_layout", "parse_layout", "virtual_stage"]
+
+
+def virtual_stage(stage: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage of `chunk` on `stage` (what Schedule.vstage says):
+    ``loop`` chunk * p + stage (Megatron's interleaved layout), ``wave`` (ZB-V)
+    odd chunks run backwards, chunk * p + p-1-stage."""
+    if placement == "wave" and chunk % 2 == 1:
+        return chunk * p + p - 1 - stage
+    return chunk * p + stage
 
 
 def parse_layout(text: str) -> list[int]:
@@ -17,7 +26,7 @@ def parse_layout(text: str) -> list[int]:
 
 def layer_layout(num_layers: int, p: int, v: int = 1, *, first: int | None = None,
                  last: int | None = None, layout: list[int] | None = None) -> list[int]:
-    """Layers per virtual stage (virtual stage k = chunk * p + stage), summing to
+    """Layers per virtual stage (in model order; see :func:`virtual_stage`), summing to
     `num_layers`. Even by default; `first` / `last` fix the first and last
     virtual stage (Megatron's --decoder-first/last-pipeline-num-layers) and
     split the rest evenly; `layout` gives every count explicitly."""

@@ -6,7 +6,10 @@
     r.makespan, r.bubble_fraction, r.peak_activations
     r.gantt("plan.png"); r.chrome_trace("plan.json")
 
-Chunk c of stage s is virtual stage c * p + s (Megatron's interleaved layout).
+Chunk c of stage s is virtual stage c * p + s (Megatron's interleaved layout,
+placement ``loop``); ZB-V's ``wave`` placement runs odd chunks backwards
+(c * p + p-1-s), so stage 0 holds the first and the last virtual stage and the
+turn between chunks stays on one stage (``Schedule.vstage``).
 Action types: F, B (full backward), BI (input gradient), W (deferred weight
 gradient), SEND_ACT / RECV_ACT, SEND_GRAD / RECV_GRAD. See docs/pipeline.md.
 """
@@ -24,7 +27,7 @@ Action = _pl.Action
 
 __all__ = ["Action", "Schedule", "SimulationResult", "simulate", "costs"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "dynamic")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-v", "dynamic")
 
 
 class Schedule:
@@ -56,6 +59,13 @@ class Schedule:
         return cls(_pl.zero_bubble(p, m))
 
     @classmethod
+    def zb_v(cls, p: int, m: int, costs: _pl.Costs | None = None) -> Schedule:
+        """ZB-V (Qi et al., 2024): two chunks per stage in the V-shaped
+        ``wave`` placement, backward split into BI and W, within 1F1B's
+        activation memory; planned under `costs` (uniform by default)."""
+        return cls(_pl.zb_v(p, m, costs))
+
+    @classmethod
     def dynamic(cls, p: int, m: int, v: int = 1, policy: str = "auto",
                 memory_limit: int | None = None, costs: _pl.Costs | None = None) -> Schedule:
         """The dynamic planner (``policy``: dfc, bfc, auto, adaptive). `costs`
@@ -67,9 +77,16 @@ class Schedule:
     @classmethod
     def by_name(cls, name: str, p: int, m: int, v: int = 1, **kw) -> Schedule:
         """``gpipe``, ``1f1b``, ``interleaved``, ``zero-bubble`` or ``dynamic``
-        (the names of ``pretrain_gpt.py --pipeline-schedule``)."""
+        (the names of ``pretrain_gpt.py --pipeline-schedule``), or ``zb-v``
+        (v = 2)."""
         if name in ("interleaved", "1f1b") and v > 1:
             return cls.interleaved(p, m, v)
+        if name == "zb-v":
+            if v != 2:
+                raise ValueError(f"schedule 'zb-v' runs two model chunks per stage (the V), "
+                                 f"not {v}: leave virtual_pipeline_model_parallel_size unset or "
+                                 "set it to 2")
+            return cls.zb_v(p, m)
         if v > 1 and name not in ("dynamic",):
             raise ValueError(
                 f"schedule '{name}' runs one model chunk per stage; with "
@@ -86,11 +103,12 @@ class Schedule:
 
     @classmethod
     def from_actions(cls, actions: Sequence[Sequence[tuple | Action]], microbatches: int,
-                     chunks: int = 1, name: str = "custom") -> Schedule:
+                     chunks: int = 1, name: str = "custom", placement: str = "loop") -> Schedule:
         """A hand-written schedule: per stage a list of ``("F", mb, chunk)``
-        tuples or Actions. Without any send/recv, transfers are inserted."""
+        tuples or Actions. Without any send/recv, transfers are inserted.
+        `placement`: ``loop`` (Megatron's interleaved) or ``wave`` (ZB-V's V)."""
         rows = [[a if isinstance(a, Action) else Action(*a) for a in stage] for stage in actions]
-        return cls(_pl.Schedule(name, len(rows), microbatches, chunks, rows))
+        return cls(_pl.Schedule(name, len(rows), microbatches, chunks, rows, placement))
 
     @classmethod
     def from_csv(cls, text_or_path: str | Path) -> Schedule:
@@ -105,6 +123,15 @@ class Schedule:
     stages = property(lambda self: self._s.stages)
     microbatches = property(lambda self: self._s.microbatches)
     chunks = property(lambda self: self._s.chunks)
+    placement = property(lambda self: self._s.placement)  #: "loop" or "wave"
+
+    def vstage(self, stage: int, chunk: int) -> int:
+        """The virtual stage (position in the model) of `chunk` on `stage`."""
+        return self._s.vstage(stage, chunk)
+
+    def stage_of(self, vstage: int) -> int:
+        """The stage that holds virtual stage `vstage`."""
+        return self._s.stage_of(vstage)
 
     def actions(self, stage: int) -> list[Action]:
         return self._s.actions(stage)
@@ -126,8 +153,9 @@ class Schedule:
         return self._s.to_json()
 
     def __repr__(self) -> str:
+        wave = ", placement='wave'" if self.placement == "wave" else ""
         return (f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
-                f"chunks={self.chunks})")
+                f"chunks={self.chunks}{wave})")
 
 
 def _read(text_or_path) -> str:

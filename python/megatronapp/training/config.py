@@ -53,7 +53,8 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = _flag(
         None, "model chunks per pipeline stage (interleaved / dynamic schedules)")
     pipeline_schedule: str = _flag(
-        "1f1b", "1f1b becomes interleaved 1F1B with a virtual pipeline size; with pp = 1 every "
+        "1f1b", "1f1b becomes interleaved 1F1B with a virtual pipeline size; zb-v runs two "
+        "chunks per stage in a V (stage 0 holds the first and last layers); with pp = 1 every "
         "schedule is the one-stage 1F1B", choices=SCHEDULES)
     pipeline_dynamic_policy: str = _flag("adaptive", "planner policy of --pipeline-schedule dynamic",
                                          choices=("dfc", "bfc", "auto", "adaptive"))
@@ -462,6 +463,7 @@ class Plan:
     vpp: int
     microbatches: int  #: per data-parallel rank and iteration
     layer_layout: list  #: layers per virtual pipeline stage
+    placement: str = "loop"  #: of the chunks: "loop" (interleaved) or "wave" (zb-v)
 
 
 @dataclass
@@ -568,7 +570,8 @@ class Config:
         par, m, o = self.parallel, self.model, self.optim
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         cp = par.context_parallel_size
-        v = par.virtual_pipeline_model_parallel_size or 1
+        wave = par.pipeline_schedule == "zb-v" and pp > 1
+        v = par.virtual_pipeline_model_parallel_size or (2 if wave else 1)
         for name, value in (("--tensor-model-parallel-size", tp),
                             ("--pipeline-model-parallel-size", pp), ("--num-layers", m.num_layers),
                             ("--context-parallel-size", cp),
@@ -660,7 +663,8 @@ class Config:
         if tr.trace_detect_interval and not tr.trace:
             raise ConfigError("--trace-detect-interval needs --trace")
         self._check_data()
-        return Plan(world_size, tp, pp, dp, v, microbatches, layout)
+        return Plan(world_size, tp, pp, dp, v, microbatches, layout,
+                    "wave" if wave else "loop")
 
     def _check_context_parallel(self, tp: int, cp: int) -> None:
         par, m = self.parallel, self.model
@@ -802,7 +806,8 @@ class Config:
             f, b = parse_ratio(par.fbd_ratio)
             if v > 1:
                 raise ValueError("--forward-backward-disaggregating runs one model chunk per "
-                                 "stage; drop --virtual-pipeline-model-parallel-size")
+                                 "stage; drop --virtual-pipeline-model-parallel-size (zb-v runs "
+                                 "two: pick another --pipeline-schedule)")
             if self.data_parallel.overlap_param_gather:
                 raise ValueError("--forward-backward-disaggregating sends the new weights to the "
                                  "forward ranks right after the step; drop "

@@ -10,7 +10,8 @@ After the last backward of a step, :func:`finish_gradients` does, in order:
    but fed only their sequence shard (LayerNorms, row-parallel biases under
    SP) hold partial sums: summed over the tensor group;
 3. **tied embeddings** — with the word embeddings on the first and the last
-   pipeline stage, their gradients are summed over the embedding group;
+   pipeline stage, their gradients are summed over the embedding group
+   (zb-v's wave puts both on stage 0: summed there);
 4. **one global norm** (one host synchronization) and **clipping**.
 
 Full gradients (``param.grad``), float32 main gradients (a
@@ -72,7 +73,12 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
             _collectives.coalesced_all_reduce_(sp, state.tensor_group)
     if state.pp_size > 1 and state.embedding_group is not None:
         shared = [g for p, g in pairs if getattr(p, "shared_embedding", False)]
-        if shared:
+        if len(shared) == 2:
+            # zb-v's wave: the first and the last virtual stage are both on
+            # this rank (and no other rank of the embedding group holds one)
+            shared[0].add_(shared[1])
+            shared[1].copy_(shared[0])
+        elif shared:
             _collectives.coalesced_all_reduce_(shared, state.embedding_group)
     return pairs
 

@@ -37,6 +37,7 @@ from ..optimizer import DistributedOptimizer, FusedAdamW, MixedPrecisionOptimize
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
 from ..pipeline.fbd import program as fbd_program
+from ..pipeline.layout import virtual_stage
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import model_parallel_seed
 from .config import Config, ConfigError, Plan
@@ -332,14 +333,15 @@ def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GP
 def build_model_chunks(config: Config, plan: Plan, state: ParallelState, cfg: GPTConfig,
                        device: torch.device, model_class=GPTModel) -> list:
     """This rank's model chunks: chunk c is virtual stage ``c * pp + pp_rank``
-    with the layers the plan gives it, in the --bf16/--fp16 dtype (weights are
-    drawn in fp32 and rounded, so every precision starts from the same model).
+    (zb-v's wave: ``c * pp + pp - 1 - pp_rank`` on odd chunks) with the
+    layers the plan gives it, in the --bf16/--fp16 dtype (weights are drawn in
+    fp32 and rounded, so every precision starts from the same model).
     `model_class` takes the same stage arguments as GPTModel (ViTModel does)."""
     layout, pp = plan.layer_layout, state.pp_size
     offsets = [sum(layout[:k]) for k in range(len(layout))]
     chunks = []
     for c in range(plan.vpp):
-        vs = c * pp + state.pp_rank
+        vs = virtual_stage(state.pp_rank, c, pp, plan.placement)
         chunks.append(model_class(cfg, parallel_state=state, pre_process=vs == 0,
                                post_process=vs == pp * plan.vpp - 1,
                                layer_numbers=list(range(offsets[vs], offsets[vs] + layout[vs])),
