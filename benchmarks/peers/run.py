@@ -148,6 +148,11 @@ CONFIGS = {
                              "pool", PP2 + ["--pipeline-schedule", "zero-bubble",
                                             "--use-distributed-optimizer", "--overlap-param-gather",
                                             "--memory-pool"], True),
+    # ZB-V: two chunks per stage in a V (stage 0 holds the first and last layers).
+    "ours-pp-dp-zbv": ("ours", "ours: PP2 x DP2 ZB-V, pool", PP2 + [
+        "--pipeline-schedule", "zb-v", "--memory-pool"], True),
+    "ours-pp-zbv": ("ours", "ours: TP2 x PP2 ZB-V, pool", TP2 + PP2 + [
+        "--pipeline-schedule", "zb-v", "--memory-pool"], True),
     "ours-pp-dp-int8": ("ours", "ours: PP2 x DP2 zero-bubble, int8 codec, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--grad-compression", "int8",
         "--grad-compression-start-iter", "2", "--memory-pool"], False),
@@ -184,7 +189,8 @@ SUITES = {
 SUITES["fair"] = ["megatron-tp2-pp2", "megatron-tp2-pp2-mapp", "megatron-pp4", "megatron-pp4-mapp",
                   "megatron-tp2-dp2-mapp", "deepspeed-pp", "deepspeed-pp-mapp", "ours-pp-1f1b",
                   "ours-pp-1f1b-gloo", "ours-pp-1f1b-mapp", "ours-pp4-1f1b", "ours-pp4",
-                  "ours-pp-dp", "ours-pp-dp-zero1", "ours-pp-dp-zero1-opg", "ours-dp-exact"]
+                  "ours-pp-dp", "ours-pp-dp-zero1", "ours-pp-dp-zero1-opg", "ours-pp-dp-zbv",
+                  "ours-pp-zbv", "ours-dp-exact"]
 # The Llama-shaped model (issue 41): ours against Megatron-Core with the same
 # block flags (RMSNorm, SwiGLU, RoPE, GQA, no biases).
 SUITES["llama"] = ["megatron-tp2-dp2", "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-pp4",
@@ -197,7 +203,8 @@ LLAMA_BLOCK = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
 # then our best layouts against the best peer's (DeepSpeed PP2 x DP2 on the same transport).
 PAIRS = [("ours-pp-1f1b", "megatron-tp2-pp2"), ("ours-dp-exact", "megatron-tp2-dp2"),
          ("ours-pp4-1f1b", "megatron-pp4"), ("ours-pp-1f1b-mapp", "megatron-tp2-pp2-mapp"),
-         ("ours-pp4", "deepspeed-pp-mapp"), ("ours-pp-dp", "deepspeed-pp-mapp")]
+         ("ours-pp4", "deepspeed-pp-mapp"), ("ours-pp-dp", "deepspeed-pp-mapp"),
+         ("ours-pp-dp-zbv", "deepspeed-pp-mapp")]
 PY_SPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
 PROFILE_HZ = 200
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
