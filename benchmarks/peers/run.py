@@ -88,6 +88,11 @@ CONFIGS = {
         "--pipeline-schedule", "1f1b"], True),
     "torch-zb": ("torch", "torch: DTensor TP2 x pipelining PP2 (zero-bubble)", TP2 + PP2 + [
         "--pipeline-schedule", "zero-bubble"], True),
+    # PyTorch's own stacks on megatronapp's shared-memory backend (same transport as ours).
+    "torch-ddp-mapp": ("torch", "torch: DDP x4, mapp backend", [MAPP], True),
+    "torch-tp2-ddp-mapp": ("torch", "torch: DTensor TP2 x DDP2, mapp backend", TP2 + [MAPP], True),
+    "torch-zb-mapp": ("torch", "torch: DTensor TP2 x pipelining PP2 (zero-bubble), mapp backend",
+                      TP2 + PP2 + ["--pipeline-schedule", "zero-bubble", MAPP], True),
     "deepspeed-zero1": ("deepspeed", "DeepSpeed: ZeRO-1 x4", ["--zero-stage", "1"], True),
     "deepspeed-zero2": ("deepspeed", "DeepSpeed: ZeRO-2 x4", ["--zero-stage", "2"], True),
     "deepspeed-pp": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1",
@@ -176,11 +181,17 @@ SUITES = {
     "peers": ["torch-ddp", "torch-fsdp2", "torch-tp2-ddp", "torch-pp", "torch-zb",
               "deepspeed-zero1", "deepspeed-zero2", "deepspeed-pp", "megatron-tp2-dp2",
               "megatron-tp2-pp2", "megatron-tp2-pp2-vp", "ours-dp", "ours-pp", "ours-pp-1f1b",
-              "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8"],
-    # make bench-step: ours against Megatron-Core, like for like (issue 26).
+              "ours-pp-sp", "ours-pp-dp", "ours-pp-dp-int8",
+              # the same transport for every stack, and our best layouts (issue 42)
+              "torch-ddp-mapp", "torch-tp2-ddp-mapp", "torch-zb-mapp", "deepspeed-pp-mapp",
+              "megatron-tp2-pp2-mapp", "megatron-pp4-mapp", "ours-pp-1f1b-mapp", "ours-pp4",
+              "ours-pp-dp-zbv"],
+    # make bench-step: ours against Megatron-Core, like for like (issue 26), also on
+    # the same transport (issue 42).
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
              "ours-pp-1f1b", "ours-pp-1f1b-sg", "ours-pp-sp-1f1b", "ours-pp", "ours-dp-exact",
-             "ours-pp4-1f1b", "ours-pp4"],
+             "ours-pp4-1f1b", "ours-pp4", "megatron-tp2-pp2-mapp", "megatron-pp4-mapp",
+             "ours-pp-1f1b-mapp", "ours-pp-zbv", "ours-pp-dp-zbv"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }

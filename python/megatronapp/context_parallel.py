@@ -116,10 +116,9 @@ def _ring(group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, scale):
         cp, rank, nxt, prv = _ring(group)
         s = q.shape[-2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32 if
                           q.dtype != torch.float64 else q.dtype, device=q.device)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
@@ -177,22 +176,26 @@ class _RingAttention(torch.autograd.Function):
                 _wait(reqs, prv)
                 kv = tuple(nxt_kv)
         _wait(dreqs, prv)  # our own block's dK/dV, summed over every rank
-        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, group) -> torch.Tensor:
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries over the whole sequence
-    ([b, heads, s_local, d] each); `group` is the context-parallel group."""
+    (q, k [b, heads, s_local, d], v [b, heads, s_local, d_v]); `group` is the
+    context-parallel group; `scale` of the scores (default 1/sqrt(d))."""
     if group is None or group.size() == 1:
-        return _LocalCausal.apply(q, k, v)
+        return _LocalCausal.apply(q, k, v, _scale(q, scale))
     check_sequence(q.shape[-2] * group.size(), group.size())
-    return _RingAttention.apply(q, k, v, group)
+    return _RingAttention.apply(q, k, v, group, _scale(q, scale))
 
 
 class _LocalCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v):
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, scale):
         out, lse = torch.ops.mapp.attn_block_fwd(q, k, v, scale, True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -201,8 +204,8 @@ class _LocalCausal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return torch.ops.mapp.attn_block_bwd(dout.contiguous(), q, k, v, out, lse, ctx.scale,
-                                             True)
+        return (*torch.ops.mapp.attn_block_bwd(dout.contiguous(), q, k, v, out, lse, ctx.scale,
+                                               True), None)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -240,10 +243,10 @@ def _natural_order(cp: int) -> list:
     return order
 
 
-def ulysses_attention(q, k, v, group) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
     """Causal attention by two all-to-alls (heads divisible by cp)."""
     if group is None or group.size() == 1:
-        return _LocalCausal.apply(q, k, v)
+        return _LocalCausal.apply(q, k, v, _scale(q, scale))
     cp = group.size()
     if q.shape[1] % cp:
         raise ValueError(f"--cp-comm-type a2a needs the attention heads on this rank "
@@ -259,5 +262,5 @@ def ulysses_attention(q, k, v, group) -> torch.Tensor:
         chunks = t.chunk(2 * cp, 2)
         return torch.cat([chunks[i] for i in idx], 2)
 
-    out = _LocalCausal.apply(*(reorder(t, inv) for t in (qh, kh, vh)))
+    out = _LocalCausal.apply(*(reorder(t, inv) for t in (qh, kh, vh)), _scale(q, scale))
     return _AllToAll.apply(reorder(out, order), group, False)

@@ -98,6 +98,8 @@ class GPTConfig:
     #: dense MLP of this hidden size every MoE layer adds to its experts' output
     moe_shared_expert_intermediate_size: int | None = None
     moe_router_topk_scaling_factor: float | None = None  #: scale the top-k weights
+    moe_router_num_groups: int | None = None  #: group-limited routing: groups of experts
+    moe_router_group_topk: int | None = None  #: ... and how many of them a token may reach
     # ---- the block (Megatron-LM's flags; defaults: GPT-2's block) ----
     normalization: str = "LayerNorm"  #: or "RMSNorm"
     swiglu: bool = False  #: gated MLP silu(x W_gate) * (x W_up) (experts too)
@@ -116,6 +118,20 @@ class GPTConfig:
     add_bias_linear: bool = True  #: biases of QKV, projection, fc1, fc2
     add_qkv_bias: bool = False  #: a QKV bias even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False  #: normalize each query and key head (Qwen3)
+    # ---- YaRN (--position-embedding-type yarn; DeepSeek-V3's long-context RoPE) ----
+    yarn_rotary_scaling_factor: float = 1.0  #: context extension factor
+    yarn_original_max_position_embeddings: int = 4096  #: the context the base was trained at
+    yarn_beta_fast: float = 32.0  #: dimensions turning more often keep their frequency
+    yarn_beta_slow: float = 1.0  #: dimensions turning less often are fully interpolated
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0  #: MLA: softmax scale x mscale(factor, this)^2
+    # ---- multi-latent attention (DeepSeek-V2/V3; models/mla.py) ----
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  #: None: queries straight from the hidden states
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  #: per-head query/key channels without position
+    qk_pos_emb_head_dim: int = 64  #: per-head rotary channels (one shared rotary key)
+    v_head_dim: int = 128
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -145,7 +161,7 @@ class GPTConfig:
 
     def _check_block(self) -> None:
         choices = {"normalization": ("LayerNorm", "RMSNorm"),
-                   "position_embedding_type": ("learned_absolute", "rope", "none")}
+                   "position_embedding_type": ("learned_absolute", "rope", "none", "yarn")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected "
@@ -164,6 +180,42 @@ class GPTConfig:
                              f"{self.kv_channels} rotates no channel pair")
         if self.use_rope_scaling and self.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be > 0, got {self.rope_scaling_factor}")
+        if self.position_embedding_type == "yarn":
+            if self.yarn_rotary_scaling_factor < 1:
+                raise ValueError("--yarn-rotary-scaling-factor must be >= 1, got "
+                                 f"{self.yarn_rotary_scaling_factor}")
+            if self.yarn_original_max_position_embeddings < 1 or \
+                    not 0 < self.yarn_beta_slow <= self.yarn_beta_fast:
+                raise ValueError("YaRN needs --yarn-original-max-position-embeddings >= 1 and "
+                                 "0 < --yarn-beta-slow <= --yarn-beta-fast")
+        if self.multi_latent_attention:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        if self.position_embedding_type not in ("rope", "yarn"):
+            raise ValueError("--multi-latent-attention rotates its decoupled key with RoPE: use "
+                             "--position-embedding-type rope or yarn")
+        if self.qk_layernorm or self.num_query_groups != self.num_attention_heads:
+            raise ValueError("--multi-latent-attention has its own latent norms and one key per "
+                             "head: drop --qk-layernorm and --group-query-attention")
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.qk_pos_emb_head_dim < 2 or self.qk_pos_emb_head_dim % 2:
+            raise ValueError("--qk-pos-emb-head-dim must be even and >= 2 (rotated in pairs), "
+                             f"got {self.qk_pos_emb_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank must be >= 1, got {self.q_lora_rank}")
+
+    def yarn(self) -> dict | None:
+        """The YaRN parameters of the rotary embedding (None without YaRN)."""
+        if self.position_embedding_type != "yarn":
+            return None
+        return {"factor": self.yarn_rotary_scaling_factor,
+                "original_max_position": self.yarn_original_max_position_embeddings,
+                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow,
+                "mscale": self.yarn_mscale, "mscale_all_dim": self.yarn_mscale_all_dim}
 
     @property
     def qkv_bias(self) -> bool:
@@ -210,6 +262,14 @@ class GPTConfig:
             + heads * d * h + (h if bias else 0)
         if self.qk_layernorm:
             attn += 2 * (d if self.normalization == "RMSNorm" else 2 * d)
+        if self.multi_latent_attention:
+            qd, r, pe, vd = (self.qk_head_dim, self.kv_lora_rank, self.qk_pos_emb_head_dim,
+                             self.v_head_dim)
+            rq = self.q_lora_rank
+            q = h * heads * (qd + pe) if rq is None else \
+                h * rq + rq * heads * (qd + pe) + (rq if self.normalization == "RMSNorm" else 2 * rq)
+            attn = 2 * norm + q + h * (r + pe) + (r if self.normalization == "RMSNorm" else 2 * r) \
+                + r * heads * (qd + vd) + heads * vd * h + (h if bias else 0)
         gate = 2 if self.swiglu else 1
 
         def mlp(width, with_bias):
@@ -320,23 +380,8 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, state: ParallelState, output_std: float,
                  layer_number: int = 0):
         super().__init__()
-        self.layer_number = layer_number
-        self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
-        tp = state.tp_size
-        self.heads_local = divide(cfg.num_attention_heads, tp, "num_attention_heads")
-        self.dropout_p = cfg.attention_dropout
-        self.backend = cfg.attention_backend
-        self.fused = cfg.attention_backend in ("auto", "flash", "fused")
-        self.selective = cfg.recompute_granularity == "selective"
-        self.causal = cfg.attn_mask_type == "causal"
-        self.context_group = state.context_group  # None: no context parallelism
-        if self.context_group is not None and not self.causal:
-            raise ValueError("context parallelism needs causal attention (attn_mask_type "
-                             "no_mask is not supported with --context-parallel-size > 1)")
-        self.cp_comm_type = cfg.cp_comm_type
-        if self.context_group is not None and cfg.attention_dropout > 0:
-            raise ValueError("attention dropout with context parallelism is not supported")
-        sp = cfg.sequence_parallel
+        self._init_core(cfg, state, layer_number)
+        tp, sp = state.tp_size, cfg.sequence_parallel
         d, ng, heads = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
         self.head_dim = d
         qkv_out = (heads + 2 * ng) * d
@@ -363,18 +408,43 @@ class ParallelAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = make_norm(cfg, d), make_norm(cfg, d)
             mark_sequence_parallel(self.q_layernorm, tp > 1)
             mark_sequence_parallel(self.k_layernorm, tp > 1)
-        self.rotary = None
-        if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(
-                d, cfg.rotary_percent, cfg.rotary_base, interleaved=cfg.rotary_interleaved,
-                scaling_factor=cfg.rope_scaling_factor if cfg.use_rope_scaling else None,
-                low_freq_factor=cfg.rope_scaling_low_freq_factor,
-                high_freq_factor=cfg.rope_scaling_high_freq_factor,
-                original_max_position=cfg.rope_scaling_original_max_position)
-        self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
+        self.rotary = self._make_rotary(cfg, d, cfg.rotary_percent)
+        self.softmax_scale = d ** -0.5
         self.proj = RowParallelLinear(
             heads * d, cfg.hidden_size, bias=cfg.add_bias_linear, input_is_parallel=True,
             sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
+
+    def _init_core(self, cfg: GPTConfig, state: ParallelState, layer_number: int) -> None:
+        """What every attention variant shares: heads, dropout, backend, recompute,
+        context parallelism (multi-latent attention builds its projections itself)."""
+        self.layer_number = layer_number
+        self.tapped = True  #: visible to an active scope (a VLM's encoder layers are not)
+        self.heads_local = divide(cfg.num_attention_heads, state.tp_size, "num_attention_heads")
+        self.dropout_p = cfg.attention_dropout
+        self.backend = cfg.attention_backend
+        self.fused = cfg.attention_backend in ("auto", "flash", "fused")
+        self.selective = cfg.recompute_granularity == "selective"
+        self.causal = cfg.attn_mask_type == "causal"
+        self.context_group = state.context_group  # None: no context parallelism
+        if self.context_group is not None and not self.causal:
+            raise ValueError("context parallelism needs causal attention (attn_mask_type "
+                             "no_mask is not supported with --context-parallel-size > 1)")
+        self.cp_comm_type = cfg.cp_comm_type
+        if self.context_group is not None and cfg.attention_dropout > 0:
+            raise ValueError("attention dropout with context parallelism is not supported")
+        self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
+
+    @staticmethod
+    def _make_rotary(cfg: GPTConfig, dim: int, percent: float):
+        """RoPE (Llama-3.1 scaling or YaRN as configured) over `dim` channels, or None."""
+        if cfg.position_embedding_type not in ("rope", "yarn"):
+            return None
+        return RotaryEmbedding(
+            dim, percent, cfg.rotary_base, interleaved=cfg.rotary_interleaved,
+            scaling_factor=cfg.rope_scaling_factor if cfg.use_rope_scaling else None,
+            low_freq_factor=cfg.rope_scaling_low_freq_factor,
+            high_freq_factor=cfg.rope_scaling_high_freq_factor,
+            original_max_position=cfg.rope_scaling_original_max_position, yarn=cfg.yarn())
 
     def _split_qkv(self, qkv: torch.Tensor):
         """q [b, heads, s, d], k and v [b, groups, s, d] of this rank."""
@@ -388,19 +458,29 @@ class ParallelAttention(nn.Module):
         k, v = qkv[:, :, :, qpg], qkv[:, :, :, qpg + 1]
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor):
+        """q, k, v [b, local heads, s, d] of `x` [s (/tp under SP), b, hidden]:
+        projected, normalized and rotated as configured."""
         qkv = self.qkv(x)  # [s, b, local (heads + 2 groups) * head_dim]
-        s, b = qkv.shape[0], qkv.shape[1]
         q, k, v = self._split_qkv(qkv)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if self.rotary is not None:
-            cos, sin = self.rotary.tables(s, self.cp_size, self.cp_rank, q.device, q.dtype)
-            q = apply_rotary(q, cos, sin, self.rotary.interleaved)
-            k = apply_rotary(k, cos, sin, self.rotary.interleaved)
+        q, k = self._rotate(q, k)
         if self.queries_per_group > 1:  # every query head sees its group's key and value
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
+        return q, k, v
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor):
+        if self.rotary is None:
+            return q, k
+        cos, sin = self.rotary.tables(q.shape[-2], self.cp_size, self.cp_rank, q.device, q.dtype)
+        return (apply_rotary(q, cos, sin, self.rotary.interleaved),
+                apply_rotary(k, cos, sin, self.rotary.interleaved))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        b, s = q.shape[0], q.shape[2]
         scope = taps.ACTIVE if self.tapped else None
         if scope is not None:
             q, k, v = (scope.tap(site, self.layer_number, t, "heads")
@@ -411,7 +491,7 @@ class ParallelAttention(nn.Module):
             ctx = self.core_attention(q, k, v)
         if scope is not None:
             ctx = scope.tap("attn_context", self.layer_number, ctx, "heads")
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * ctx.shape[-1])
         return self.proj(ctx)
 
     def core_attention(self, q, k, v):
@@ -422,7 +502,7 @@ class ParallelAttention(nn.Module):
         if self.context_group is not None:  # the sequence is split over the context group
             from ..context_parallel import ring_attention, ulysses_attention
             fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
-            return fn(q, k, v, self.context_group)
+            return fn(q, k, v, self.context_group, scale=self.softmax_scale)
         p = self.dropout_p if self.training else 0.0
         scope = taps.ACTIVE if self.tapped else None
         if scope is not None and scope.needs_probs(self.layer_number):
@@ -432,11 +512,13 @@ class ParallelAttention(nn.Module):
         # local path with the fused dropout kernel computes the same.
         if self.fused and not (p > 0.0 and q.device.type == "cpu" and self.backend == "auto"):
             if p == 0.0:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                                      scale=self.softmax_scale)
             with get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                                      scale=self.softmax_scale)
         scores = torch.matmul(q, k.transpose(-1, -2))  # its backward keeps q, k only
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = self.softmax_scale
         if not self.causal:
             probs = torch.softmax(scores * scale, dim=-1)
             if p > 0.0:
@@ -455,7 +537,7 @@ class ParallelAttention(nn.Module):
         if self.context_group is not None:
             raise ValueError("the scope's attn_probs site (and zero_head on it) is not available "
                              "under context parallelism: no rank holds a whole score matrix")
-        scores, scale = torch.matmul(q, k.transpose(-1, -2)), 1.0 / math.sqrt(self.head_dim)
+        scores, scale = torch.matmul(q, k.transpose(-1, -2)), self.softmax_scale
         probs = scaled_causal_softmax(scores, scale) if self.causal else \
             torch.softmax(scores * scale, dim=-1)
         probs = scope.tap("attn_probs", self.layer_number, probs, "heads")
@@ -505,7 +587,11 @@ class TransformerLayer(nn.Module):
         # GPT-2 / Megatron scaled init of the output projections.
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = make_norm(cfg)
-        self.attn = ParallelAttention(cfg, state, output_std, layer_number)
+        if cfg.multi_latent_attention:
+            from .mla import MultiLatentAttention
+            self.attn = MultiLatentAttention(cfg, state, output_std, layer_number)
+        else:
+            self.attn = ParallelAttention(cfg, state, output_std, layer_number)
         self.ln2 = make_norm(cfg)
         if cfg.is_moe_layer(layer_number):
             if not MOE_LAYER:

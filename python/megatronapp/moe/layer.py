@@ -90,7 +90,9 @@ class MoELayer(nn.Module):
             drop_policy=cfg.moe_token_drop_policy,
             enable_expert_bias=cfg.moe_router_enable_expert_bias,
             bias_update_rate=cfg.moe_router_bias_update_rate, init_std=cfg.init_method_std,
-            topk_scaling_factor=getattr(cfg, "moe_router_topk_scaling_factor", None))
+            topk_scaling_factor=getattr(cfg, "moe_router_topk_scaling_factor", None),
+            num_groups=getattr(cfg, "moe_router_num_groups", None),
+            group_topk=getattr(cfg, "moe_router_group_topk", None))
         self.experts = GroupedMLP(
             cfg.hidden_size, cfg.moe_ffn_hidden_size, state.ep_rank * self.num_local,
             self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,

@@ -15,6 +15,11 @@ Megatron-Core's semantics and flag names:
   with ``f_e`` the fraction of the k * T assignments routed to e and ``P_e``
   the mean probability of e; ``moe_z_loss_coeff``: ST-MoE's
   ``mean(logsumexp(logits)^2)``.
+* Group-limited routing (``moe_router_num_groups`` G, ``moe_router_group_topk``
+  g; DeepSeek-V3's node-limited routing): the experts form G equal groups
+  (with expert parallelism, e.g. one per node); a group scores the sum of
+  its k / g best selection scores, each token keeps its g best groups and
+  picks its top-k experts among them, so it reaches at most g groups.
 * Capacity (``moe_expert_capacity_factor``): an expert takes at most
   ``ceil(T * k / E * factor)`` of this rank's T tokens; the rest are dropped
   (``moe_token_drop_policy``: ``probs`` keeps the highest weights, Megatron's
@@ -44,8 +49,23 @@ class Router(nn.Module):
                  z_loss_coeff: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", enable_expert_bias: bool = False,
                  bias_update_rate: float = 1e-3, init_std: float = 0.02,
-                 topk_scaling_factor: float | None = None):
+                 topk_scaling_factor: float | None = None, num_groups: int | None = None,
+                 group_topk: int | None = None):
         super().__init__()
+        if (num_groups is None) != (group_topk is None):
+            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together "
+                             "(group-limited routing needs both)")
+        if num_groups is not None:
+            if num_groups < 1 or num_experts % num_groups:
+                raise ValueError(f"--moe-router-num-groups {num_groups} must divide --num-experts "
+                                 f"{num_experts} (equal groups of experts)")
+            if not 1 <= group_topk <= num_groups or topk % group_topk or \
+                    topk // group_topk > num_experts // num_groups:
+                raise ValueError(f"--moe-router-group-topk {group_topk} must lie in [1, "
+                                 f"--moe-router-num-groups {num_groups}] and divide "
+                                 f"--moe-router-topk {topk}, with topk / group_topk <= experts "
+                                 f"per group ({num_experts // num_groups})")
+        self.num_groups, self.group_topk = num_groups, group_topk
         if topk_scaling_factor is not None and topk_scaling_factor <= 0:
             raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got "
                              f"{topk_scaling_factor}")
@@ -95,6 +115,19 @@ class Router(nn.Module):
             return None
         return math.ceil(tokens * self.topk / self.num_experts * self.capacity_factor)
 
+    def _topk(self, scores: torch.Tensor, k: int):
+        """torch.topk over the experts, limited to each token's best groups
+        when group-limited routing is on."""
+        if self.num_groups is None:
+            return torch.topk(scores, k, dim=-1)
+        T, G = scores.shape[0], self.num_groups
+        grouped = scores.view(T, G, -1)
+        group_score = grouped.topk(k // self.group_topk, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(self.group_topk, dim=-1).indices, True)
+        masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
+        return torch.topk(masked, k, dim=-1)
+
     def forward(self, x: torch.Tensor):
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E], fp32
         if self._skew is not None:  # fault injection (MAPP_INJECT_EXPERT_SKEW)
@@ -103,16 +136,16 @@ class Router(nn.Module):
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             select = scores if self.expert_bias is None else scores + self.expert_bias
-            idx = torch.topk(select.detach(), k, dim=-1).indices
+            idx = self._topk(select.detach(), k).indices
             probs = scores.gather(1, idx)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
             full = scores / (scores.sum(-1, keepdim=True) + 1e-20)
         elif self.pre_softmax:
             full = torch.softmax(logits, dim=-1)
-            probs, idx = torch.topk(full, k, dim=-1)
+            probs, idx = self._topk(full, k)
         else:
-            top, idx = torch.topk(logits, k, dim=-1)
+            top, idx = self._topk(logits, k)
             probs = torch.softmax(top, dim=-1)
             full = torch.softmax(logits, dim=-1)
         load = torch.zeros(E, dtype=torch.float32, device=x.device)

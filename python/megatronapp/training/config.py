@@ -155,8 +155,9 @@ class ModelConfig:
     swiglu: bool = _flag(False, "gated MLP silu(x W_gate) * (x W_up) (experts too); with "
                          "--ffn-hidden-size the width of each of the two")
     position_embedding_type: str = _flag(
-        "learned_absolute", "learned_absolute (GPT-2), rope (rotary, on queries and keys) or "
-        "none", choices=("learned_absolute", "rope", "none"))
+        "learned_absolute", "learned_absolute (GPT-2), rope (rotary, on queries and keys), yarn "
+        "(RoPE with YaRN's context extension, DeepSeek-V3) or none",
+        choices=("learned_absolute", "rope", "none", "yarn"))
     rotary_base: int = _flag(10000, "RoPE base (Llama-3: 500000, Qwen2: 1000000)")
     rotary_percent: float = _flag(1.0, "fraction of each head's channels RoPE rotates")
     rotary_interleaved: bool = _flag(False, "RoPE on channel pairs (2i, 2i+1) instead of "
@@ -174,6 +175,24 @@ class ModelConfig:
     disable_bias_linear: bool = _flag(False, "no biases in the attention and MLP linears")
     add_qkv_bias: bool = _flag(False, "a QKV bias even with --disable-bias-linear (Qwen2)")
     qk_layernorm: bool = _flag(False, "normalize each query and key head (Qwen3)")
+    yarn_rotary_scaling_factor: float = _flag(1.0, "YaRN: context extension factor (DeepSeek-V3: 40)")
+    yarn_original_max_position_embeddings: int = _flag(
+        4096, "YaRN: the context length the base model was trained with")
+    yarn_beta_fast: float = _flag(32.0, "YaRN: dimensions turning more often over the original "
+                                  "context keep their frequency")
+    yarn_beta_slow: float = _flag(1.0, "YaRN: dimensions turning less often are fully interpolated")
+    yarn_mscale: float = _flag(1.0, "YaRN: attention temperature numerator (0.1 m ln factor + 1)")
+    yarn_mscale_all_dim: float = _flag(0.0, "YaRN: its denominator; with MLA the softmax scale is "
+                                       "also multiplied by its square")
+    multi_latent_attention: bool = _flag(False, "multi-latent attention (DeepSeek-V2/V3): keys and "
+                                         "values from one compressed latent per token")
+    q_lora_rank: int | None = _flag(None, "MLA: rank of the query compression (None: queries "
+                                    "straight from the hidden states)", metavar="N")
+    kv_lora_rank: int = _flag(32, "MLA: rank of the key/value latent")
+    qk_head_dim: int = _flag(128, "MLA: per-head query/key channels without position")
+    qk_pos_emb_head_dim: int = _flag(64, "MLA: per-head rotary channels (one rotary key shared "
+                                     "by every head)")
+    v_head_dim: int = _flag(128, "MLA: per-head value channels")
 
     def block_kwargs(self) -> dict:
         """The GPTConfig fields of the block flags."""
@@ -188,7 +207,15 @@ class ModelConfig:
             rope_scaling_original_max_position=self.rope_scaling_original_max_position,
             num_query_groups=self.num_query_groups if self.group_query_attention else None,
             kv_channels=self.kv_channels, add_bias_linear=not self.disable_bias_linear,
-            add_qkv_bias=self.add_qkv_bias, qk_layernorm=self.qk_layernorm)
+            add_qkv_bias=self.add_qkv_bias, qk_layernorm=self.qk_layernorm,
+            **{k: getattr(self, k) for k in MLA_YARN_FIELDS})
+
+
+#: the YaRN and multi-latent attention fields (the same name as flag and GPTConfig field)
+MLA_YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                   "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+                   "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                   "qk_pos_emb_head_dim", "v_head_dim")
 
 
 #: model flags a checkpoint fixes: {flag field: (GPTConfig field, GPTConfig
@@ -217,6 +244,7 @@ ARCHITECTURE_FLAGS = {
     "moe_router_topk": ("moe_router_topk", None),
     "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", None),
     "moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor", None),
+    **{k: (k, None) for k in MLA_YARN_FIELDS},
 }
 
 
@@ -259,17 +287,50 @@ class MoEConfig:
         "experts (DeepSeek, Qwen-MoE)", metavar="N")
     moe_router_topk_scaling_factor: float | None = _flag(
         None, "multiply the top-k routing weights by this (DeepSeek-V3: 2.5)", metavar="F")
+    moe_router_num_groups: int | None = _flag(
+        None, "group-limited routing: the experts form this many equal groups (DeepSeek-V3: 8, "
+        "one per node)", metavar="G")
+    moe_router_group_topk: int | None = _flag(
+        None, "group-limited routing: groups a token may reach (DeepSeek-V3: 4)", metavar="N")
 
     def layer_freq(self):
-        """--moe-layer-freq as an int or a list of 0/1."""
-        import ast
-
+        """--moe-layer-freq as an int or a list of 0/1; Megatron's list
+        expressions such as ``([0]*3+[1]*58)`` (lists of ints, ``*`` by an int,
+        ``+``) are evaluated without eval."""
         try:
-            v = ast.literal_eval(str(self.moe_layer_freq))
+            v = _int_list_expr(str(self.moe_layer_freq))
         except (ValueError, SyntaxError):
             raise ConfigError(f"--moe-layer-freq {self.moe_layer_freq!r}: expected an int or a "
-                              "list like [0,1,0,1]") from None
+                              "list like [0,1,0,1] or ([0]*3+[1]*58)") from None
         return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _int_list_expr(text: str):
+    """An int, or a list of ints built from list literals, ``list * int`` and
+    ``list + list`` (what --moe-layer-freq accepts); ValueError otherwise."""
+    import ast
+
+    def walk(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(
+                n.value, bool):
+            return n.value
+        if isinstance(n, (ast.List, ast.Tuple)):
+            out = [walk(e) for e in n.elts]
+            if not all(isinstance(e, int) for e in out):
+                raise ValueError("nested list")
+            return out
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Mult)):
+            a, b = walk(n.left), walk(n.right)
+            if isinstance(n.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
+                return a + b
+            if isinstance(n.op, ast.Mult) and isinstance(a, list) and isinstance(b, int) \
+                    and 0 <= b <= 1 << 20:
+                return a * b
+            if isinstance(n.op, ast.Mult) and isinstance(b, list) and isinstance(a, int) \
+                    and 0 <= a <= 1 << 20:
+                return b * a
+        raise ValueError(f"unsupported expression {ast.dump(n)}")
+    return walk(ast.parse(text.strip(), mode="eval").body)
 
 
 @dataclass
@@ -769,7 +830,9 @@ class Config:
             moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
             moe_dispatch_compression=moe.moe_dispatch_compression,
             moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
-            moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor)
+            moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
+            moe_router_num_groups=moe.moe_router_num_groups,
+            moe_router_group_topk=moe.moe_router_group_topk)
 
     def _check_data(self) -> None:
         from ..data.gpt_dataset import parse_data_path, parse_split

@@ -40,7 +40,7 @@ from ..pipeline.fbd import program as fbd_program
 from ..pipeline.layout import virtual_stage
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.random import model_parallel_seed
-from .config import Config, ConfigError, Plan
+from .config import MLA_YARN_FIELDS, Config, ConfigError, Plan
 from .step import schedule_for
 
 __all__ = ["Run", "GPTTask", "GPT", "install_memory_pool", "init_distributed", "gpt_config", "check_config",
@@ -78,7 +78,7 @@ class Run:
         """The model fields a checkpoint must agree on."""
         keys = (self.task or GPT).checkpoint_keys
         cfg = {k: getattr(self.model_config, k, None) for k in keys}
-        if getattr(self.model_config, "position_embedding_type", None) in ("rope", "none"):
+        if getattr(self.model_config, "position_embedding_type", None) in ("rope", "yarn", "none"):
             cfg.pop("seq_length", None)  # no position table: any sequence length continues
         return cfg
 
@@ -104,7 +104,7 @@ class GPTTask:
                        "rope_scaling_high_freq_factor", "rope_scaling_original_max_position",
                        "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
                        "qk_layernorm", "moe_router_topk", "moe_shared_expert_intermediate_size",
-                       "moe_router_topk_scaling_factor")
+                       "moe_router_topk_scaling_factor", *MLA_YARN_FIELDS)
 
     def check(self, config: Config, plan: Plan) -> None:
         """Family-specific flag checks (every rank, before any collective)."""

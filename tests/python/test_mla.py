@@ -1,0 +1,227 @@
+"""Multi-latent attention (DeepSeek-V2/V3) and YaRN: the module equals
+Hugging Face's DeepseekV3Attention (float64, with and without the query
+compression, interleaved and half-split RoPE, YaRN with its softmax
+temperature), and a DeepSeek-shaped model trains step for step like one
+rank (fp32, 1e-5) under TP2, TP2 + SP, CP2 (ring and all-to-all), PP2
+ZB-V, ZeRO-1, selective and full recomputation; a TP2 checkpoint resumes
+on one rank with the architecture taken from it."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch
+from dist_harness import error_messages, run_ranks
+
+STEPS = 3
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
+        "--lr-warmup-iters", "1", "--train-iters", str(STEPS), "--eval-iters", "1",
+        "--no-progress", "--log-interval", "1000", "--make-vocab-size-divisible-by", "64"]
+DEEPSEEK = BASE + ["--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
+                   "--normalization", "RMSNorm", "--disable-bias-linear",
+                   "--untie-embeddings-and-output-weights", "--multi-latent-attention",
+                   "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                   "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+                   "--position-embedding-type", "yarn", "--rotary-interleaved",
+                   "--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
+                   "8", "--yarn-mscale", "1", "--yarn-mscale-all-dim", "1"]
+
+
+def _hf_attention(q_lora_rank, interleave, yarn):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, max_position_embeddings=64, rope_interleave=interleave,
+        rope_parameters=rope, attention_bias=False, rms_norm_eps=1e-6)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(3)
+    attn = hf.DeepseekV3Attention(cfg, 0).double()
+    for p in attn.parameters():  # random norms too
+        torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.2)
+    return cfg, attn, hf.DeepseekV3RotaryEmbedding(cfg)
+
+
+def _against_hf(rank, world, q_lora_rank, interleave, yarn):
+    import megatronapp as mapp
+    from megatronapp.models import GPTConfig
+    from megatronapp.models.mla import MultiLatentAttention
+
+    state = mapp.initialize_model_parallel(1, 1)
+    try:
+        cfg, ref, rotary = _hf_attention(q_lora_rank, interleave, yarn)
+        ours = MultiLatentAttention(GPTConfig(
+            vocab_size=64, hidden_size=32, num_attention_heads=4, seq_length=16,
+            normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+            multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=12,
+            qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rotary_interleaved=interleave,
+            position_embedding_type="yarn" if yarn else "rope", yarn_rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=8, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+            attention_backend="unfused"), state, 0.02).double()
+        names = {"q_proj": "q_proj", "q_down": "q_a_proj", "q_norm": "q_a_layernorm",
+                 "q_up": "q_b_proj", "kv_down": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm",
+                 "kv_up": "kv_b_proj", "proj": "o_proj"}
+        with torch.no_grad():
+            for mine, theirs in names.items():
+                if getattr(ours, mine) is not None:
+                    getattr(ours, mine).weight.copy_(getattr(ref, theirs).weight)
+        b, s = 2, 16
+        x = torch.randn(b, s, 32, dtype=torch.float64)
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        cos, sin = rotary(x, pos)
+        mask = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1).expand(b, 1, s, s)
+        want = ref(x, (cos.double(), sin.double()), mask)[0]
+        errs = []
+        for fused in (False, True):  # our unfused path and torch's fused attention
+            ours.fused = fused
+            got = ours(x.transpose(0, 1).contiguous()).transpose(0, 1)
+            errs.append((got - want).abs().max().item())
+        return errs
+    finally:
+        mapp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("q_lora_rank,interleave,yarn", [(10, True, True), (None, False, False),
+                                                         (10, False, True)])
+def test_mla_equals_hugging_face_deepseek_v3_attention(q_lora_rank, interleave, yarn):
+    errs = run_ranks(_against_hf, 1, q_lora_rank, interleave, yarn)[0]
+    assert max(errs) < 1e-6, errs
+
+
+def test_yarn_frequencies_and_temperature_match_hugging_face():
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatronapp.models.rotary import RotaryEmbedding
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 0.707}
+    cfg = DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=rope, max_position_embeddings=163840)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    ours = RotaryEmbedding(64, yarn={"factor": 40.0, "original_max_position": 4096,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                     "mscale_all_dim": 0.707})
+    assert torch.allclose(ours.inv_freq, want.float(), rtol=1e-6, atol=0)
+    assert abs(ours.attention_factor - factor) < 1e-12
+
+
+def _train(rank, world, flags, out_dir):
+    from megatronapp.pretrain import build_parser, train
+
+    return train(build_parser().parse_args(flags + ["--output-dir", out_dir]))["losses"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_ref(tmp_path_factory):
+    return run_ranks(_train, 1, DEEPSEEK, str(tmp_path_factory.mktemp("mla_ref")))[0]
+
+
+LAYOUTS = [
+    (2, ["--tensor-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-schedule", "zb-v"]),
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    (2, ["--use-distributed-optimizer", "--recompute-granularity", "selective",
+         "--attention-backend", "unfused"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+         "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]),
+]
+
+
+@pytest.mark.parametrize("world,extra", LAYOUTS, ids=lambda v: "-".join(v) if isinstance(
+    v, list) else str(v))
+def test_deepseek_block_trains_like_one_rank(deepseek_ref, tmp_path, world, extra):
+    assert len(deepseek_ref) == STEPS and deepseek_ref[-1] < deepseek_ref[0]  # it learns
+    for losses in run_ranks(_train, world, DEEPSEEK + extra, str(tmp_path)):
+        for i, (g, w) in enumerate(zip(losses, deepseek_ref, strict=True)):
+            assert abs(g - w) < 1e-5, f"{extra} step {i + 1}: {g} vs one rank's {w}"
+
+
+def test_resume_on_one_rank_takes_the_architecture_from_the_checkpoint(deepseek_ref, tmp_path):
+    ck = str(tmp_path / "ck")
+    first = DEEPSEEK[:]
+    first[first.index("--train-iters") + 1] = "2"
+    run_ranks(_train, 2, first + ["--tensor-model-parallel-size", "2", "--save", ck],
+              str(tmp_path / "a"))
+    resumed = run_ranks(_train, 1, BASE + ["--load", ck], str(tmp_path / "b"))[0]
+    assert len(resumed) == 1 and abs(resumed[0] - deepseek_ref[2]) < 1e-5, (resumed, deepseek_ref)
+
+
+def test_bad_mla_flags_name_the_fix():
+    from megatronapp.models import GPTConfig
+
+    kw = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, multi_latent_attention=True,
+              position_embedding_type="rope")
+    msgs = error_messages(
+        lambda: GPTConfig(**{**kw, "position_embedding_type": "learned_absolute"}),
+        lambda: GPTConfig(**kw, qk_pos_emb_head_dim=3),
+        lambda: GPTConfig(**kw, num_query_groups=2),
+        lambda: GPTConfig(**kw, kv_lora_rank=0),
+        lambda: GPTConfig(**{**kw, "position_embedding_type": "yarn"},
+                          yarn_rotary_scaling_factor=0.5))
+    assert "use --position-embedding-type rope or yarn" in msgs[0]
+    assert "--qk-pos-emb-head-dim must be even" in msgs[1]
+    assert "drop --qk-layernorm and --group-query-attention" in msgs[2]
+    assert "--kv-lora-rank must be >= 1" in msgs[3]
+    assert "--yarn-rotary-scaling-factor must be >= 1" in msgs[4]
+
+
+def test_group_limited_routing_reaches_at_most_g_groups_and_picks_their_best():
+    """Against a brute-force reference: each token keeps the g groups with
+    the largest sum of their k/g best scores, then its k best experts there."""
+    from megatronapp.moe.router import Router
+
+    torch.manual_seed(0)
+    E, G, g, k, T = 16, 4, 2, 4, 64
+    for score in ("sigmoid", "softmax"):
+        r = Router(32, E, k, score_function=score, num_groups=G, group_topk=g,
+                   enable_expert_bias=score == "sigmoid")
+        if score == "sigmoid":
+            r.expert_bias.copy_(torch.randn(E) * 0.1)
+        x = torch.randn(T, 32)
+        _, idx, _ = r(x)
+        logits = x @ r.weight.T
+        sel = torch.sigmoid(logits) + r.expert_bias if score == "sigmoid" else logits
+        for t in range(T):
+            groups = sel[t].view(G, -1)
+            gscore = groups.topk(k // g).values.sum(-1)
+            keep = set(gscore.topk(g).indices.tolist())
+            allowed = [e for e in range(E) if e // (E // G) in keep]
+            want = sorted(sorted(allowed, key=lambda e: -sel[t, e].item())[:k])
+            assert sorted(idx[t].tolist()) == want, (score, t)
+            assert len({e // (E // G) for e in idx[t].tolist()}) <= g
+    msgs = error_messages(lambda: Router(32, 16, 4, num_groups=3, group_topk=1),
+                          lambda: Router(32, 16, 4, num_groups=4, group_topk=3),
+                          lambda: Router(32, 16, 4, num_groups=4))
+    assert "must divide --num-experts 16" in msgs[0]
+    assert "divide --moe-router-topk 4" in msgs[1]
+    assert "go together" in msgs[2]
+
+
+DEEPSEEK_MOE = DEEPSEEK + ["--num-experts", "8", "--moe-router-topk", "2",
+                           "--moe-router-score-function", "sigmoid",
+                           "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
+                           "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor",
+                           "2.5", "--moe-shared-expert-intermediate-size", "32",
+                           "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "([0]*1+[1]*3)"]
+
+
+def test_deepseek_moe_block_under_ep2_and_tp2_matches_one_rank(tmp_path):
+    """Dense first layer, sigmoid scores with the bias, node-limited routing,
+    shared experts and top-k scaling: EP2 and TP2 x SP compute what one rank does."""
+    one = run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path / "a"))[0]
+    for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
+                         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        for losses in run_ranks(_train, world, DEEPSEEK_MOE + extra, str(tmp_path / extra[0])):
+            assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one, strict=True)), (
+                extra, losses, one)
