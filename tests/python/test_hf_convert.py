@@ -1,6 +1,7 @@
-"""Hugging Face interop: tiny random Llama / Qwen2 / Qwen3 / Mixtral models
-built locally with ``transformers`` (nothing downloaded) are the exact
-references. Imported at TP1, TP2, PP2, TP2 x PP2 (and EP2 for Mixtral), our
+"""Hugging Face interop: tiny random Llama / Qwen2 / Qwen3 / Mixtral /
+DeepSeek-V3 models built locally with ``transformers`` (nothing downloaded)
+are the exact references. Imported at TP1, TP2, PP2, TP2 x PP2 (and EP2,
+TP2 x EP2 for the MoE families), our
 model's logits equal the transformers model's within 1e-5 (fp32); export ->
 ``from_pretrained`` gives the same logits; import -> export returns every
 tensor bit for bit; bad inputs get clear errors."""
@@ -17,7 +18,7 @@ from dist_harness import error_messages, run_ranks
 
 pytest.importorskip("transformers")
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "deepseek_v3")
 
 
 def _hf_model(family: str, seed: int = 0):
@@ -37,16 +38,31 @@ def _hf_model(family: str, seed: int = 0):
     elif family == "qwen3":  # query/key RMSNorm, head_dim != hidden / heads
         cfg = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
         cls = tf.Qwen3ForCausalLM
-    else:
+    elif family == "mixtral":
         cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                tie_word_embeddings=False)
         cls = tf.MixtralForCausalLM
+    else:  # MLA with query compression and YaRN, a dense first layer, routed + shared
+        # experts with sigmoid scores, the score-correction bias, node-limited routing
+        common.update(num_key_value_heads=4)
+        cfg = tf.DeepseekV3Config(
+            **common, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+        cls = tf.DeepseekV3ForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():  # norms at 1 and biases at 0 would hide a wrong mapping
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -117,7 +133,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_logits_equal_transformers_at_every_layout(hf_dirs, tmp_path, family):
     hf_dir, want = hf_dirs[family]
-    layouts = LAYOUTS + ([(1, 1, 2), (2, 1, 2)] if family == "mixtral" else [])
+    layouts = LAYOUTS + ([(1, 1, 2), (2, 1, 2)] if family in ("mixtral", "deepseek_v3") else [])
     for tp, pp, ep in layouts:
         out = str(tmp_path / f"ckpt_{tp}{pp}{ep}")
         _import(hf_dir, out, tp, pp, ep)
@@ -145,8 +161,8 @@ def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf_dirs, tmp_p
 
     hf_dir, want = hf_dirs[family]
     # at tp 2 x pp 2 in files of ~20 KB: the export reassembles every shard
-    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if family == "mixtral" else 1,
-                   max_file_bytes=20_000)
+    moe = family in ("mixtral", "deepseek_v3")
+    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if moe else 1, max_file_bytes=20_000)
     assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) > 8
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size=40_000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded

@@ -225,3 +225,122 @@ def test_deepseek_moe_block_under_ep2_and_tp2_matches_one_rank(tmp_path):
         for losses in run_ranks(_train, world, DEEPSEEK_MOE + extra, str(tmp_path / extra[0])):
             assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one, strict=True)), (
                 extra, losses, one)
+
+
+MTP = DEEPSEEK + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+def _mtp_reference(rank, world):
+    """Our MTP loss against a hand-written float64 one from the same weights."""
+    import torch.nn.functional as F
+
+    import megatronapp as mapp
+    from megatronapp.models import GPTConfig, GPTModel
+    from megatronapp.models.mtp import AddToGradient, mtp_loss
+
+    mapp.initialize_model_parallel(1, 1)
+    try:
+        cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                        seq_length=16, normalization="RMSNorm", swiglu=True,
+                        position_embedding_type="rope", add_bias_linear=False,
+                        share_embeddings_and_output_weights=False, mtp_num_layers=2,
+                        mtp_loss_scaling_factor=0.3, attention_backend="unfused")
+        model = GPTModel(cfg).double()
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        labels = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+        model(ids)
+        hidden = model.take_mtp_hidden()
+        got, parts = mtp_loss(model, hidden, labels)
+
+        def rms(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+        want, h = [], hidden.detach()
+        for k, layer in enumerate(model.mtp, 1):
+            tok = torch.roll(labels, -(k - 1), 1)
+            e = model.word_embeddings.weight[tok].transpose(0, 1)  # [s, b, h]
+            x = torch.cat([rms(e, layer.enorm.weight), rms(h, layer.hnorm.weight)], -1)
+            h = layer.layer(x @ layer.eh_proj.weight.T)
+            logits = rms(h, layer.final_layernorm.weight) @ model.output_layer.weight.T
+            tgt = torch.roll(labels, -k, 1).transpose(0, 1)
+            ce = F.cross_entropy(logits.reshape(-1, 64), tgt.reshape(-1), reduction="none")
+            keep = (torch.arange(16) < 16 - k).double().unsqueeze(1).expand(16, 2).reshape(-1)
+            want.append(float(((ce * keep).sum() / keep.sum()).detach()))
+        a = torch.tensor(2.0, requires_grad=True)
+        b = torch.tensor(5.0, requires_grad=True)
+        out = AddToGradient.apply(a * 3, b * b)
+        out.backward()
+        return ([float(x) for x in parts], want, float(got), float(out), float(a.grad),
+                float(b.grad))
+    finally:
+        mapp.destroy_model_parallel()
+
+
+def test_mtp_losses_equal_a_hand_written_reference():
+    parts, want, got, out, ga, gb = run_ranks(_mtp_reference, 1)[0]
+    # (our RMSNorm computes in float32, as Megatron's and Hugging Face's)
+    assert all(abs(p - w) < 1e-6 for p, w in zip(parts, want, strict=True)), (parts, want)
+    assert abs(got - 0.3 / 2 * sum(parts)) < 1e-6  # (its cross-entropy is in float32)
+    # the trained loss is reported without the MTP term, which still gets the gradient
+    assert (out, ga, gb) == (6.0, 3.0, 10.0)
+
+
+def _train_summary(rank, world, flags, out_dir):
+    from megatronapp.pretrain import build_parser, train
+
+    s = train(build_parser().parse_args(flags + ["--output-dir", out_dir]))
+    return s["losses"], s["mtp_losses"]
+
+
+@pytest.fixture(scope="module")
+def mtp_ref(tmp_path_factory):
+    return run_ranks(_train_summary, 1, MTP, str(tmp_path_factory.mktemp("mtp_ref")))[0]
+
+
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel"]),  # MTP on the last stage, its embedding replica summed
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+         "--use-distributed-optimizer"]),  # the last stage is stage 0: summed in place
+    (2, ["--use-distributed-optimizer", "--recompute-granularity", "full",
+         "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+], ids=["tp2-pp2-sp", "pp2-zbv-zero1", "dp2-zero1-recompute"])
+def test_mtp_trains_like_one_rank_and_reports_its_losses(mtp_ref, tmp_path, world, extra):
+    losses, mtp = mtp_ref
+    assert len(mtp) == STEPS and all(len(m) == 2 for m in mtp)
+    assert mtp[-1][0] < mtp[0][0]  # the depth-1 prediction learns
+    for got, got_mtp in run_ranks(_train_summary, world, MTP + extra, str(tmp_path)):
+        for i in range(STEPS):
+            assert abs(got[i] - losses[i]) < 1e-5, (extra, i, got, losses)
+            assert all(abs(a - b) < 1e-5 for a, b in zip(got_mtp[i], mtp[i], strict=True)), (
+                extra, i, got_mtp, mtp)
+
+
+def test_mtp_changes_training_and_refuses_context_parallelism(mtp_ref, tmp_path):
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config
+
+    plain = run_ranks(_train_summary, 1, MTP[:MTP.index("--mtp-num-layers")]
+                      + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0"],
+                      str(tmp_path))[0]
+    assert plain[0][0] == mtp_ref[0][0]  # the first loss: same model, MTP not reported in it
+    assert plain[0][1] != mtp_ref[0][1]  # then MTP's gradient has trained the trunk
+    with pytest.raises(Exception, match="--mtp-num-layers with --context-parallel-size"):
+        Config.from_args(build_parser().parse_args(
+            MTP + ["--context-parallel-size", "2"])).check(2)
+
+
+def test_deepseek_moe_with_its_expert_bias_resumes_bit_identically(tmp_path):
+    """The expert bias is state, not a parameter: checkpoints keep it, so an
+    EP2 x DP2 ZeRO-1 run with MTP resumes bit for bit."""
+    import os
+
+    flags = DEEPSEEK_MOE + ["--mtp-num-layers", "1", "--expert-model-parallel-size", "2",
+                            "--use-distributed-optimizer"]
+    flags[flags.index("--train-iters") + 1] = "4"
+    ck = str(tmp_path / "ck")
+    full = run_ranks(_train, 2, flags + ["--save", ck, "--save-interval", "2"], str(tmp_path / "a"))
+    resumed = run_ranks(_train, 2, flags + ["--load", os.path.join(ck, "iter_0000002")],
+                        str(tmp_path / "b"))
+    for a, b in zip(full, resumed, strict=True):
+        assert b == a[2:], (a, b)  # exact float equality

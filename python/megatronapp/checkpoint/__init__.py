@@ -89,6 +89,21 @@ def _params(chunks) -> list:
     return out
 
 
+def _buffers(chunks) -> list:
+    """(global name, buffer) of the buffers a module lists in its
+    ``_checkpointed_buffers`` (state that is not a parameter but must survive
+    a resume: the router's expert bias)."""
+    out = []
+    for c in chunks:
+        mod = _module(c)
+        for prefix, m in mod.named_modules():
+            for b in getattr(m, "_checkpointed_buffers", ()):
+                t = getattr(m, b, None)
+                if t is not None:
+                    out.append((_global_name(mod, f"{prefix}.{b}" if prefix else b), t))
+    return out
+
+
 def global_named_parameters(chunks) -> dict:
     """{global name: parameter} of this rank's chunks (layer indices global,
     as in checkpoints)."""
@@ -198,6 +213,13 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
             index.append({"name": n, "kind": "param", "global_shape": _global_shape(p, state),
                           "dtype": str(p.dtype), "tp_slice": _tp_slice(p, state),
                           "flat": [0, p.numel()], "file": fname, "key": key})
+    for n, b in _buffers(chunks):  # replicated state: stored once, as a parameter is
+        if _owner_of_model_copy(b, state):
+            key = f"model/{n}"
+            tensors[key] = b.detach()
+            index.append({"name": n, "kind": "param", "global_shape": list(b.shape),
+                          "dtype": str(b.dtype), "tp_slice": None, "flat": [0, b.numel()],
+                          "file": fname, "key": key})
     for n, kind, lo, t, p in _optimizer_pieces(optimizer, params, state):
         key = f"optim/{n}/{kind}@{lo}"
         tensors[key] = t.reshape(-1) if t.dim() else t
@@ -440,6 +462,9 @@ def _queue_reads(ld, chunks, optimizer, state) -> None:
 
     for n, p in params:
         ld.into(src(n, p), "param", p.data, _tp_slice(p, state), _global_shape(p, state))
+    for n, b in _buffers(chunks):  # (checkpoints before 2026-12-06 did not store them)
+        if ld.has(n, "param"):
+            ld.into(n, "param", b, None, list(b.shape))
     if optimizer is None:
         return
     if isinstance(optimizer, MixedPrecisionOptimizer):

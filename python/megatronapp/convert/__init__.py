@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (Llama, Qwen2, Qwen3, Mixtral).
+"""Hugging Face checkpoints in and out (Llama, Qwen2, Qwen3, Mixtral, DeepSeek-V3).
 
     python -m megatronapp.convert import-hf --hf-dir D --output DIR \\
         [--tensor-model-parallel-size N --pipeline-model-parallel-size P \\
@@ -28,7 +28,11 @@ value), head_dim]``; the SwiGLU fc1 (and every expert's) is ``[gate; up]``,
 viewed as ``[2, ffn, hidden]`` so that a tensor-parallel shard is a
 contiguous slice. Hugging Face's q/k rows are in the rotate-half order our
 RoPE uses, so they need no permutation; a model trained with
-``--rotary-interleaved`` is permuted into it on export.
+``--rotary-interleaved`` is permuted into it on export. DeepSeek-V3's
+multi-latent attention keeps its checkpoints' interleaved rotary pairs
+(``rope_interleave``, our ``--rotary-interleaved``): nothing is permuted.
+Its router's ``e_score_correction_bias`` is our expert bias (a checkpointed
+buffer).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from ..checkpoint.format import CheckpointError, fsync_dir, write
 __all__ = ["import_hf", "export_hf", "ConversionError", "FAMILIES", "config_from_hf",
            "hf_config_from"]
 
-FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+            "DeepseekV3ForCausalLM")
 
 
 class ConversionError(ValueError):
@@ -69,8 +74,21 @@ def _rope(hf: dict) -> dict:
                    rope_scaling_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
                    rope_scaling_original_max_position=int(
                        params.get("original_max_position_embeddings", 8192)))
+    elif kind == "yarn":
+        if params.get("factor") is None or params.get("attention_factor") is not None:
+            raise ConversionError("YaRN RoPE needs its 'factor' and no explicit "
+                                  "'attention_factor' (it is derived from mscale)")
+        out.update(position_embedding_type="yarn",
+                   yarn_rotary_scaling_factor=float(params["factor"]),
+                   yarn_original_max_position_embeddings=int(
+                       params.get("original_max_position_embeddings", 4096)),
+                   yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                   yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                   yarn_mscale=float(params.get("mscale") or 0.0),
+                   yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
     elif kind != "default":
-        raise ConversionError(f"RoPE type {kind!r} is not supported (default and llama3 are)")
+        raise ConversionError(f"RoPE type {kind!r} is not supported (default, llama3 and yarn "
+                              "are)")
     return out
 
 
@@ -99,15 +117,54 @@ def config_from_hf(hf: dict) -> dict:
         swiglu=True, position_embedding_type="rope", add_bias_linear=False,
         add_qkv_bias=arch == "Qwen2ForCausalLM", qk_layernorm=arch == "Qwen3ForCausalLM",
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=float(hf.get("initializer_range", 0.02)), **_rope(hf))
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+    cfg.update(_rope(hf))
     if arch == "MixtralForCausalLM":
         cfg.update(num_experts=hf["num_local_experts"], moe_router_topk=hf["num_experts_per_tok"],
                    moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
                    moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    if arch == "DeepseekV3ForCausalLM":
+        cfg.update(_deepseek_v3(hf))
     return cfg
 
 
+def _deepseek_v3(hf: dict) -> dict:
+    """MLA, the first dense layers and the routed + shared experts of a
+    DeepseekV3 config.json (multi-token prediction layers are not imported)."""
+    if hf.get("attention_bias"):
+        raise ConversionError("DeepseekV3ForCausalLM with attention_bias is not supported")
+    k, E = hf["num_experts_per_tok"], hf["n_routed_experts"]
+    groups, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if not hf.get("norm_topk_prob", True) and k > 1:
+        raise ConversionError("DeepseekV3 with norm_topk_prob=false is not supported (our "
+                              "sigmoid router normalizes the top-k weights)")
+    if groups > 1 and k != 2 * topk_group:
+        raise ConversionError(
+            f"DeepseekV3 group-limited routing: transformers scores a group by its best 2 "
+            f"experts, Megatron (and we) by its best num_experts_per_tok / topk_group = "
+            f"{k}/{topk_group}; they agree only when num_experts_per_tok = 2 x topk_group")
+    first_dense = int(hf.get("first_k_dense_replace", 0))
+    L = hf["num_hidden_layers"]
+    return dict(
+        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        num_query_groups=hf["num_attention_heads"], kv_channels=None,
+        rotary_interleaved=bool(hf.get("rope_interleave", True)),
+        num_experts=E, moe_router_topk=k, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=[0] * first_dense + [1] * (L - first_dense),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        moe_shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0)
+        * hf["moe_intermediate_size"] or None,
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=topk_group if groups > 1 else None,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+
+
 def _family(cfg: dict) -> str:
+    if cfg.get("multi_latent_attention"):
+        return _deepseek_family(cfg)
     unsupported = []
     if cfg.get("normalization") != "RMSNorm":
         unsupported.append("--normalization LayerNorm")
@@ -143,11 +200,73 @@ def _family(cfg: dict) -> str:
     return family
 
 
+def _deepseek_family(cfg: dict) -> str:
+    unsupported = []
+    if cfg.get("normalization") != "RMSNorm" or not cfg.get("swiglu"):
+        unsupported.append("LayerNorm or a GELU MLP")
+    if cfg.get("add_bias_linear", True):
+        unsupported.append("linear biases (no --disable-bias-linear)")
+    if cfg.get("num_experts"):
+        if cfg.get("moe_router_score_function") != "sigmoid" or not cfg.get(
+                "moe_router_enable_expert_bias"):
+            unsupported.append("a router other than sigmoid scores with the expert bias")
+        freq = cfg.get("moe_layer_freq", 1)
+        freq = freq if isinstance(freq, list) else [int(i % freq == 0)
+                                                     for i in range(cfg["num_layers"])]
+        k = freq.index(1) if 1 in freq else len(freq)
+        if freq != [0] * k + [1] * (len(freq) - k):
+            unsupported.append(f"--moe-layer-freq {freq} (DeepSeek-V3 has dense layers first, "
+                               "then MoE layers)")
+        g, gk = cfg.get("moe_router_num_groups"), cfg.get("moe_router_group_topk")
+        if g and cfg["moe_router_topk"] != 2 * gk:
+            unsupported.append("group-limited routing with --moe-router-topk != 2 x "
+                               "--moe-router-group-topk (transformers scores a group by its "
+                               "best 2 experts)")
+        shared = cfg.get("moe_shared_expert_intermediate_size")
+        if shared and shared % cfg["moe_ffn_hidden_size"]:
+            unsupported.append("a shared-expert width that is not a multiple of the expert width")
+    if unsupported:
+        raise ConversionError("this checkpoint has no DeepseekV3ForCausalLM equivalent: "
+                              + "; ".join(unsupported))
+    return "DeepseekV3ForCausalLM"
+
+
+def _deepseek_hf_config(cfg: dict, hf: dict) -> dict:
+    L, E = cfg["num_layers"], cfg.get("num_experts")
+    freq = cfg.get("moe_layer_freq", 1)
+    freq = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    first_dense = freq.index(1) if E and 1 in freq else L
+    f_moe = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
+    shared = cfg.get("moe_shared_expert_intermediate_size") or 0
+    hf.update(model_type="deepseek_v3", intermediate_size=cfg["ffn_hidden_size"],
+              q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+              qk_nope_head_dim=cfg["qk_head_dim"], qk_rope_head_dim=cfg["qk_pos_emb_head_dim"],
+              v_head_dim=cfg["v_head_dim"],
+              qk_head_dim=cfg["qk_head_dim"] + cfg["qk_pos_emb_head_dim"],
+              head_dim=cfg["qk_pos_emb_head_dim"],
+              num_key_value_heads=cfg["num_attention_heads"],
+              rope_interleave=bool(cfg.get("rotary_interleaved")), attention_bias=False,
+              first_k_dense_replace=first_dense, n_routed_experts=E or 1,
+              num_experts_per_tok=cfg.get("moe_router_topk", 1) if E else 1,
+              moe_intermediate_size=f_moe, n_shared_experts=shared // f_moe if shared else 0,
+              routed_scaling_factor=cfg.get("moe_router_topk_scaling_factor") or 1.0,
+              n_group=cfg.get("moe_router_num_groups") or 1,
+              topk_group=cfg.get("moe_router_group_topk") or 1, norm_topk_prob=True,
+              num_nextn_predict_layers=0)
+    return hf
+
+
 def hf_config_from(cfg: dict, dtype: str = "float32") -> dict:
     """A Hugging Face config.json for our model config `cfg`."""
     family = _family(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.get("rotary_base", 10000.0)}
-    if cfg.get("use_rope_scaling"):
+    if cfg.get("position_embedding_type") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": cfg.get("rotary_base", 10000.0),
+                "factor": cfg["yarn_rotary_scaling_factor"],
+                "original_max_position_embeddings": cfg["yarn_original_max_position_embeddings"],
+                "beta_fast": cfg["yarn_beta_fast"], "beta_slow": cfg["yarn_beta_slow"],
+                "mscale": cfg["yarn_mscale"], "mscale_all_dim": cfg["yarn_mscale_all_dim"]}
+    elif cfg.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "rope_theta": cfg.get("rotary_base", 10000.0),
                 "factor": cfg.get("rope_scaling_factor", 8.0),
                 "low_freq_factor": cfg.get("rope_scaling_low_freq_factor", 1.0),
@@ -155,7 +274,8 @@ def hf_config_from(cfg: dict, dtype: str = "float32") -> dict:
                 "original_max_position_embeddings": cfg.get(
                     "rope_scaling_original_max_position", 8192)}
     model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral"}[family]
+                  "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
+                  "DeepseekV3ForCausalLM": "deepseek_v3"}[family]
     hf = {"architectures": [family], "model_type": model_type,
           "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
           "intermediate_size": cfg.get("moe_ffn_hidden_size") if cfg.get("num_experts")
@@ -178,6 +298,8 @@ def hf_config_from(cfg: dict, dtype: str = "float32") -> dict:
                   router_aux_loss_coef=cfg.get("moe_aux_loss_coeff", 0.0))
     if family in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_layers"])
+    if family == "DeepseekV3ForCausalLM":
+        _deepseek_hf_config(cfg, hf)
     return hf
 
 
@@ -196,9 +318,11 @@ def _hf_layer_names(cfg: dict, i: int, qkv_bias: bool) -> dict:
     """{our global name: [Hugging Face names it is fused from]} of layer i."""
     p = f"model.layers.{i}."
     out = {f"layers.{i}.ln1.weight": [p + "input_layernorm.weight"],
-           f"layers.{i}.ln2.weight": [p + "post_attention_layernorm.weight"],
-           f"layers.{i}.attn.qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
-           f"layers.{i}.attn.proj.weight": [p + "self_attn.o_proj.weight"]}
+           f"layers.{i}.ln2.weight": [p + "post_attention_layernorm.weight"]}
+    if cfg.get("multi_latent_attention"):
+        return {**out, **_deepseek_layer_names(cfg, i, p)}
+    out.update({f"layers.{i}.attn.qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+                f"layers.{i}.attn.proj.weight": [p + "self_attn.o_proj.weight"]})
     if qkv_bias:
         out[f"layers.{i}.attn.qkv.bias"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
     if cfg.get("qk_layernorm"):
@@ -213,6 +337,43 @@ def _hf_layer_names(cfg: dict, i: int, qkv_bias: bool) -> dict:
     else:
         out[f"layers.{i}.mlp.fc1.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         out[f"layers.{i}.mlp.fc2.weight"] = [p + "mlp.down_proj.weight"]
+    return out
+
+
+def _is_moe(cfg: dict, i: int) -> bool:
+    if not cfg.get("num_experts"):
+        return False
+    freq = cfg.get("moe_layer_freq", 1)
+    return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+
+
+def _deepseek_layer_names(cfg: dict, i: int, p: str) -> dict:
+    a, o = p + "self_attn.", f"layers.{i}.attn."
+    out = {o + "kv_down.weight": [a + "kv_a_proj_with_mqa.weight"],
+           o + "kv_norm.weight": [a + "kv_a_layernorm.weight"],
+           o + "kv_up.weight": [a + "kv_b_proj.weight"],
+           o + "proj.weight": [a + "o_proj.weight"]}
+    if cfg.get("q_lora_rank") is None:
+        out[o + "q_proj.weight"] = [a + "q_proj.weight"]
+    else:
+        out.update({o + "q_down.weight": [a + "q_a_proj.weight"],
+                    o + "q_norm.weight": [a + "q_a_layernorm.weight"],
+                    o + "q_up.weight": [a + "q_b_proj.weight"]})
+    m, q = p + "mlp.", f"layers.{i}.mlp."
+    if not _is_moe(cfg, i):
+        out[q + "fc1.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[q + "fc2.weight"] = [m + "down_proj.weight"]
+        return out
+    out[q + "router.weight"] = [m + "gate.weight"]
+    out[q + "router.expert_bias"] = [m + "gate.e_score_correction_bias"]
+    for e in range(cfg["num_experts"]):
+        x = m + f"experts.{e}."
+        out[q + f"experts.experts.{e}.fc1"] = [x + "gate_proj.weight", x + "up_proj.weight"]
+        out[q + f"experts.experts.{e}.fc2"] = [x + "down_proj.weight"]
+    if cfg.get("moe_shared_expert_intermediate_size"):
+        out[q + "shared_experts.fc1.weight"] = [m + "shared_experts.gate_proj.weight",
+                                                m + "shared_experts.up_proj.weight"]
+        out[q + "shared_experts.fc2.weight"] = [m + "shared_experts.down_proj.weight"]
     return out
 
 
@@ -273,10 +434,14 @@ class _Layout:
             dim = 0
         elif name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
             dim = 0 if self.qkv_split else None
-        elif name.endswith((".attn.proj.weight", ".mlp.fc2.weight")) or (
+        elif name.endswith((".attn.q_proj.weight", ".attn.q_up.weight", ".attn.kv_up.weight")):
+            dim = 0  # column-parallel over heads
+        elif name.endswith((".attn.proj.weight", ".mlp.fc2.weight",
+                            ".shared_experts.fc2.weight")) or (
                 expert and expert.group(2) == "fc2"):
             dim = 1
-        elif name.endswith(".mlp.fc1.weight") or (expert and expert.group(2) == "fc1"):
+        elif name.endswith((".mlp.fc1.weight", ".shared_experts.fc1.weight")) or (
+                expert and expert.group(2) == "fc1"):
             view, dim = [2, shape[0] // 2, *shape[1:]], 1  # [gate; up], split along the width
         return view, dim, stage, ep_rank
 

@@ -132,6 +132,9 @@ class GPTConfig:
     qk_head_dim: int = 128  #: per-head query/key channels without position
     qk_pos_emb_head_dim: int = 64  #: per-head rotary channels (one shared rotary key)
     v_head_dim: int = 128
+    # ---- multi-token prediction (DeepSeek-V3; models/mtp.py) ----
+    mtp_num_layers: int | None = None  #: MTP depths on the last stage (None: off)
+    mtp_loss_scaling_factor: float = 0.1  #: the MTP losses' weight (divided by the depths)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -190,6 +193,8 @@ class GPTConfig:
                                  "0 < --yarn-beta-slow <= --yarn-beta-fast")
         if self.multi_latent_attention:
             self._check_mla()
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
 
     def _check_mla(self) -> None:
         if self.position_embedding_type not in ("rope", "yarn"):
@@ -244,6 +249,7 @@ class GPTConfig:
         """Whether global layer `layer` has experts (Megatron's --moe-layer-freq)."""
         if self.num_experts is None:
             return False
+        layer = min(layer, self.num_layers - 1)  # MTP layers are the last layer's kind
         freq = self.moe_layer_freq
         if isinstance(freq, (list, tuple)):
             return bool(freq[layer])
@@ -274,16 +280,17 @@ class GPTConfig:
 
         def mlp(width, with_bias):
             return gate * h * width + width * h + ((gate * width + h) if with_bias else 0)
-        total = 0
-        for i in range(n):
-            if self.is_moe_layer(i):
-                experts = self.moe_router_topk if active else self.num_experts
-                total += attn + self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size,
-                                                                     False)
-                if self.moe_shared_expert_intermediate_size:
-                    total += mlp(self.moe_shared_expert_intermediate_size, bias)
-            else:
-                total += attn + mlp(f, bias)
+        def layer(i):
+            if not self.is_moe_layer(i):
+                return attn + mlp(f, bias)
+            experts = self.moe_router_topk if active else self.num_experts
+            out = attn + self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size, False)
+            if self.moe_shared_expert_intermediate_size:
+                out += mlp(self.moe_shared_expert_intermediate_size, bias)
+            return out
+        total = sum(layer(i) for i in range(n))
+        if self.mtp_num_layers:  # per depth: 3 norms, the 2h -> h projection, a layer
+            total += self.mtp_num_layers * (3 * norm + 2 * h * h + layer(n))
         out = 0 if self.share_embeddings_and_output_weights else v * h
         pos = s * h if self.position_embedding_type == "learned_absolute" else 0
         return v * h + pos + total + norm + out
@@ -303,7 +310,7 @@ def activation_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool)
         return dropout(x, p)
 
 
-def _normal(std: float):
+def normal_init(std: float):
     return lambda t: nn.init.normal_(t, 0.0, std)
 
 
@@ -349,7 +356,7 @@ class _GroupedQKV(nn.Module):
         h, out = cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * \
             cfg.kv_channels
         self.group, self.sequence_parallel = state.tensor_group, cfg.sequence_parallel
-        self.weight = sharded_parameter((out, h), None, state, _normal(cfg.init_method_std))
+        self.weight = sharded_parameter((out, h), None, state, normal_init(cfg.init_method_std))
         self.weight.sequence_parallel = True  # partial sums over the tensor group
         self.bias = None
         if cfg.qkv_bias:
@@ -389,7 +396,7 @@ class ParallelAttention(nn.Module):
             self.groups_local, self.queries_per_group = ng // tp, heads // ng
             self.qkv = ColumnParallelLinear(
                 cfg.hidden_size, qkv_out, bias=cfg.qkv_bias, sequence_parallel=sp,
-                init_method=_normal(cfg.init_method_std), parallel_state=state)
+                init_method=normal_init(cfg.init_method_std), parallel_state=state)
         elif tp % ng == 0 and heads % tp == 0:  # each group replicated over tp / ng ranks
             per = tp // ng
             g, j = state.tp_rank // per, state.tp_rank % per
@@ -412,7 +419,7 @@ class ParallelAttention(nn.Module):
         self.softmax_scale = d ** -0.5
         self.proj = RowParallelLinear(
             heads * d, cfg.hidden_size, bias=cfg.add_bias_linear, input_is_parallel=True,
-            sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
+            sequence_parallel=sp, init_method=normal_init(output_std), parallel_state=state)
 
     def _init_core(self, cfg: GPTConfig, state: ParallelState, layer_number: int) -> None:
         """What every attention variant shares: heads, dropout, backend, recompute,
@@ -560,10 +567,10 @@ class ParallelMLP(nn.Module):
         gate = 2 if cfg.swiglu else 1
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, gate * f, bias=cfg.add_bias_linear, sequence_parallel=sp,
-            init_method=_normal(cfg.init_method_std), parallel_state=state, stacked=gate)
+            init_method=normal_init(cfg.init_method_std), parallel_state=state, stacked=gate)
         self.fc2 = RowParallelLinear(
             f, cfg.hidden_size, bias=cfg.add_bias_linear, input_is_parallel=True,
-            sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
+            sequence_parallel=sp, init_method=normal_init(output_std), parallel_state=state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -576,6 +583,10 @@ class ParallelMLP(nn.Module):
 #: The MoE layer class, registered by megatronapp.moe when it is imported (the
 #: feature depends on the model, not the reverse; importing megatronapp does it).
 MOE_LAYER: list = []
+#: Multi-latent attention and the multi-token prediction layer, registered by
+#: megatronapp.models.mla / .mtp when imported (megatronapp.models imports them).
+MLA_ATTENTION: list = []
+MTP_LAYER: list = []
 
 
 class TransformerLayer(nn.Module):
@@ -588,8 +599,10 @@ class TransformerLayer(nn.Module):
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = make_norm(cfg)
         if cfg.multi_latent_attention:
-            from .mla import MultiLatentAttention
-            self.attn = MultiLatentAttention(cfg, state, output_std, layer_number)
+            if not MLA_ATTENTION:
+                raise RuntimeError("GPTConfig(multi_latent_attention=True) needs the MLA module: "
+                                   "import megatronapp (or megatronapp.models) first")
+            self.attn = MLA_ATTENTION[0](cfg, state, output_std, layer_number)
         else:
             self.attn = ParallelAttention(cfg, state, output_std, layer_number)
         self.ln2 = make_norm(cfg)
@@ -663,12 +676,14 @@ class GPTModel(nn.Module):
         base = torch.initial_seed() if seed is None else seed
 
         tied = cfg.share_embeddings_and_output_weights
-        split = tied and not (pre_process and post_process)
+        # MTP embeds the shifted tokens on the last stage: a replica there, as tied weights
+        shared = tied or bool(cfg.mtp_num_layers)
+        split = shared and not (pre_process and post_process)
         self.word_embeddings = self.position_embeddings = None
-        if pre_process or (post_process and tied):
+        if pre_process or (post_process and shared):
             with seeded(base, 0):
                 self.word_embeddings = VocabParallelEmbedding(
-                    cfg.vocab_size, cfg.hidden_size, init_method=_normal(cfg.init_method_std),
+                    cfg.vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_method_std),
                     parallel_state=state)
                 position = None  # RoPE / none: no table (its draws came after the rest)
                 if cfg.position_embedding_type == "learned_absolute":
@@ -693,7 +708,16 @@ class GPTModel(nn.Module):
                     self.output_layer = ColumnParallelLinear(
                         cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=False,
                         sequence_parallel=cfg.sequence_parallel,
-                        init_method=_normal(cfg.init_method_std), parallel_state=state)
+                        init_method=normal_init(cfg.init_method_std), parallel_state=state)
+        self.mtp, self._mtp_hidden = None, None
+        if post_process and cfg.mtp_num_layers:
+            if not MTP_LAYER:
+                raise RuntimeError("GPTConfig(mtp_num_layers=...) needs the MTP module: import "
+                                   "megatronapp (or megatronapp.models) first")
+            self.mtp = nn.ModuleList()
+            for k in range(1, cfg.mtp_num_layers + 1):
+                with seeded(base, 1 + cfg.num_layers + k):
+                    self.mtp.append(MTP_LAYER[0](cfg, state, k))
 
     def forward(self, x: torch.Tensor | None, labels: torch.Tensor | None = None,
                 decoder_input: torch.Tensor | None = None):
@@ -721,21 +745,35 @@ class GPTModel(nn.Module):
         x = self._layers_forward(x)
         if not self.post_process:
             return x
-        x = self.final_layernorm(x)
-        if self.output_layer is not None:
-            logits = self.output_layer(x)
-        else:
-            if self.config.sequence_parallel:
-                x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
-            else:
-                x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
-            logits = linear(x, self.word_embeddings.weight)  # [s, b, V/tp]
+        if self.mtp is not None and torch.is_grad_enabled():
+            self._mtp_hidden = x  # for the MTP losses (take_mtp_hidden), before the final norm
+        logits = self.output_logits(self.final_layernorm(x))
         if taps.ACTIVE is not None:
             logits = taps.ACTIVE.tap("logits", self.config.num_layers, logits, "vocab")
         if labels is None:
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), group=self.group)
         return loss.transpose(0, 1)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer (or the tied embedding) on normalized hidden
+        states [s(/tp), b, h]: logits [s, b, V/tp]."""
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        if self.config.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
+        return linear(x, self.word_embeddings.weight)
+
+    def take_mtp_hidden(self) -> torch.Tensor:
+        """The last forward's hidden states before the final norm (MTP's
+        input), handed over once."""
+        h, self._mtp_hidden = self._mtp_hidden, None
+        if h is None:
+            raise RuntimeError("no hidden states for the MTP losses: the model's forward must run "
+                               "(with gradients enabled) right before the loss")
+        return h
 
     def _layers_forward(self, x: torch.Tensor) -> torch.Tensor:
         return forward_layers(self.layers, x, self.config, self.group, self.training)

@@ -34,29 +34,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..autograd import linear
 from ..parallel_state import ParallelState
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, mappings
-from ..tensor_parallel.utils import sharded_parameter
-from .gpt import GPTConfig, ParallelAttention, _normal, make_norm, mark_sequence_parallel
+from ..tensor_parallel import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear, mappings
+from .gpt import (
+    MLA_ATTENTION,
+    GPTConfig,
+    ParallelAttention,
+    make_norm,
+    mark_sequence_parallel,
+    normal_init,
+)
 from .rotary import yarn_mscale
 
-__all__ = ["DuplicatedLinear", "MultiLatentAttention"]
-
-
-class DuplicatedLinear(nn.Module):
-    """A bias-free linear layer whole on every tensor rank, applied to this
-    rank's input as is (its sequence shard under sequence parallelism, whose
-    gradient is then a partial sum over the tensor group)."""
-
-    def __init__(self, in_features: int, out_features: int, state: ParallelState, init_method,
-                 sequence_parallel: bool):
-        super().__init__()
-        self.weight = sharded_parameter((out_features, in_features), None, state, init_method)
-        self.weight.sequence_parallel = sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None)
+__all__ = ["MultiLatentAttention"]
 
 
 class MultiLatentAttention(ParallelAttention):
@@ -73,19 +63,21 @@ class MultiLatentAttention(ParallelAttention):
         self.group, self.sp = state.tensor_group, sp and tp > 1
         heads, h = cfg.num_attention_heads, cfg.hidden_size
         q_out = heads * (self.qk_dim + self.pe_dim)
-        init = _normal(cfg.init_method_std)
+        init = normal_init(cfg.init_method_std)
         self.q_proj = self.q_down = self.q_norm = self.q_up = None
         if cfg.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(h, q_out, bias=False, sequence_parallel=sp,
                                                init_method=init, parallel_state=state)
         else:
-            self.q_down = DuplicatedLinear(h, cfg.q_lora_rank, state, init, self.sp)
+            self.q_down = DuplicatedLinear(h, cfg.q_lora_rank, sequence_parallel=self.sp,
+                                           init_method=init, parallel_state=state)
             self.q_norm = make_norm(cfg, cfg.q_lora_rank)
             mark_sequence_parallel(self.q_norm, self.sp)
             self.q_up = ColumnParallelLinear(cfg.q_lora_rank, q_out, bias=False,
                                              sequence_parallel=sp, init_method=init,
                                              parallel_state=state)
-        self.kv_down = DuplicatedLinear(h, self.kv_rank + self.pe_dim, state, init, self.sp)
+        self.kv_down = DuplicatedLinear(h, self.kv_rank + self.pe_dim, sequence_parallel=self.sp,
+                                        init_method=init, parallel_state=state)
         self.kv_norm = make_norm(cfg, self.kv_rank)
         mark_sequence_parallel(self.kv_norm, self.sp)
         self.kv_up = ColumnParallelLinear(self.kv_rank, heads * (self.qk_dim + self.v_dim),
@@ -98,7 +90,7 @@ class MultiLatentAttention(ParallelAttention):
             self.softmax_scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
         self.proj = RowParallelLinear(
             heads * self.v_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,
-            sequence_parallel=sp, init_method=_normal(output_std), parallel_state=state)
+            sequence_parallel=sp, init_method=normal_init(output_std), parallel_state=state)
 
     def heads(self, x: torch.Tensor):
         """q, k [b, local heads, s, qk + pe] and v [b, local heads, s, v] of `x`
@@ -122,3 +114,6 @@ class MultiLatentAttention(ParallelAttention):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.heads_local, -1, -1)], dim=-1)
         return q, k, v.contiguous()
+
+
+MLA_ATTENTION[:] = [MultiLatentAttention]

@@ -43,6 +43,9 @@ class Router(nn.Module):
     forward, as tensors: :attr:`last_load` (assignments per expert before
     dropping), :attr:`last_dropped`."""
 
+    #: not parameters, but state a resume needs (see megatronapp.checkpoint)
+    _checkpointed_buffers = ("expert_bias",)
+
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *,
                  score_function: str = "softmax", pre_softmax: bool = False,
                  load_balancing_type: str = "aux_loss", aux_loss_coeff: float = 0.0,

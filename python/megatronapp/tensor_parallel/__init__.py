@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallel building blocks, Megatron-LM compatible."""
 
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, DuplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -22,6 +22,7 @@ from .utils import gather_full_state_dict, load_full_state_dict
 
 __all__ = [
     "ColumnParallelLinear",
+    "DuplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",

@@ -209,6 +209,27 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class DuplicatedLinear(nn.Module):
+    """A bias-free linear layer whole on every tensor rank (Megatron's
+    "duplicated" parallel mode: MLA's down projections, MTP's projection),
+    applied to this rank's input as is. Under sequence parallelism that input
+    is the rank's sequence shard and the weight's gradient a partial sum over
+    the tensor group (``sequence_parallel=True`` marks it for that sum);
+    otherwise every rank computes the same gradient."""
+
+    def __init__(self, in_features: int, out_features: int, *, sequence_parallel: bool = False,
+                 init_method: Callable[[torch.Tensor], None] | None = None,
+                 parallel_state: ParallelState | None = None):
+        super().__init__()
+        state = resolve_state(parallel_state)
+        self.weight = sharded_parameter((out_features, in_features), None, state,
+                                        init_method or nn.init.xavier_normal_)
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (vocabulary) across the tensor group.
 

@@ -193,6 +193,11 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = _flag(64, "MLA: per-head rotary channels (one rotary key shared "
                                      "by every head)")
     v_head_dim: int = _flag(128, "MLA: per-head value channels")
+    mtp_num_layers: int | None = _flag(None, "multi-token prediction: depths on the last stage, "
+                                       "each predicting one token further (DeepSeek-V3: 1)",
+                                       metavar="N")
+    mtp_loss_scaling_factor: float = _flag(0.1, "multi-token prediction: the weight of the mean "
+                                           "of the MTP losses in the trained loss")
 
     def block_kwargs(self) -> dict:
         """The GPTConfig fields of the block flags."""
@@ -208,6 +213,7 @@ class ModelConfig:
             num_query_groups=self.num_query_groups if self.group_query_attention else None,
             kv_channels=self.kv_channels, add_bias_linear=not self.disable_bias_linear,
             add_qkv_bias=self.add_qkv_bias, qk_layernorm=self.qk_layernorm,
+            mtp_loss_scaling_factor=self.mtp_loss_scaling_factor,
             **{k: getattr(self, k) for k in MLA_YARN_FIELDS})
 
 
@@ -215,7 +221,7 @@ class ModelConfig:
 MLA_YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
                    "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
                    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                   "qk_pos_emb_head_dim", "v_head_dim")
+                   "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 
 
 #: model flags a checkpoint fixes: {flag field: (GPTConfig field, GPTConfig
@@ -570,8 +576,8 @@ class Config:
             return m.hidden_size // m.num_attention_heads
         if flag == "moe_ffn_hidden_size" and self.moe.moe_ffn_hidden_size is None:
             return self._effective("ffn_hidden_size")
-        if flag == "moe_layer_freq":
-            return str(self.moe.moe_layer_freq).replace(" ", "")
+        if flag == "moe_layer_freq":  # evaluated: "([0]*1+[1]*3)" is "[0,1,1,1]"
+            return str(self.moe.layer_freq()).replace(" ", "")
         return getattr(m if hasattr(m, flag) else self.moe, flag)
 
     def adopt_checkpoint_architecture(self, saved: dict, where: str) -> list[str]:
@@ -731,6 +737,9 @@ class Config:
         par, m = self.parallel, self.model
         if cp == 1:
             return
+        if m.mtp_num_layers:
+            raise ConfigError("--mtp-num-layers with --context-parallel-size > 1 is not supported "
+                              "yet (the shifted tokens cross the zigzag chunks); drop one of them")
         if m.seq_length % (2 * cp):
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x "
                               f"--context-parallel-size ({2 * cp}): each rank holds two of "
@@ -875,6 +884,9 @@ class Config:
                 raise ValueError("--forward-backward-disaggregating sends the new weights to the "
                                  "forward ranks right after the step; drop "
                                  "--overlap-param-gather")
+            if self.model.mtp_num_layers:
+                raise ValueError("--forward-backward-disaggregating does not run multi-token "
+                                 "prediction yet; drop --mtp-num-layers")
             if par.context_parallel_size > 1 or self.moe.num_experts is not None:
                 raise ValueError("--forward-backward-disaggregating does not run with context "
                                  "parallelism or MoE layers yet; drop --context-parallel-size / "

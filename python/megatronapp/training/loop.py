@@ -55,6 +55,8 @@ def train(args, callbacks=None, hooks=(), task=None) -> dict:
             record = {"iteration": it + 1, "loss": step.loss, "lr": step.lr,
                       "grad_norm": step.grad_norm, "seconds": dt,
                       "tokens_per_s": tokens_per_iter / dt, "train_seconds": train_seconds}
+            if step.mtp_losses is not None:
+                record["mtp_losses"] = step.mtp_losses
             _each(hooks, "on_iteration_end", run, it, record)
             if optim.eval_interval and (it + 1) % optim.eval_interval == 0 \
                     and it + 1 < optim.train_iters:
@@ -155,6 +157,8 @@ def _summary(run, history, valid, wall, train_seconds, tokens_per_iter, stopped_
         "train_seconds": train_seconds,  # wall minus evaluation and checkpoint saves
         "tokens_per_s": tokens_per_iter * len(history) / train_seconds if train_seconds else 0.0,
         "losses": [h["loss"] for h in history],
+        **({"mtp_losses": [h["mtp_losses"] for h in history]}
+           if history and "mtp_losses" in history[0] else {}),
         "history": history,
         "comm": {k: sum(c.comm_stats()["step"][k] for c in run.chunks
                         if hasattr(c, "comm_stats"))

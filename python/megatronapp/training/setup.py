@@ -33,6 +33,7 @@ from ..data.gpt_dataset import GPTData
 from ..data_parallel import DistributedDataParallel
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
+from ..models.mtp import AddToGradient, mtp_loss
 from ..optimizer import DistributedOptimizer, FusedAdamW, MixedPrecisionOptimizer
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
@@ -150,12 +151,19 @@ class GPTTask:
         """``loss_fn(output, target)`` on the last stage: a scalar (times `scale`)."""
         state, device = run.state, run.device
 
+        mtp = next((m for m in (getattr(c, "module", c) for c in run.chunks)
+                    if getattr(m, "mtp", None) is not None), None)
+
         def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
             # The cross-entropy runs in fp32 whatever the model's precision (as
             # Megatron without --fp16-lm-cross-entropy).
             loss = vocab_parallel_cross_entropy(
                 logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
                 group=state.tensor_group).mean()
+            if mtp is not None and torch.is_grad_enabled():  # trained, reported on its own
+                extra, parts = mtp_loss(mtp, mtp.take_mtp_hidden(), target.to(device))
+                run.extra.setdefault("mtp_losses", []).append(torch.stack(parts))
+                loss = AddToGradient.apply(loss, extra)
             return loss * scale if scale != 1.0 else loss
         return loss_fn
 

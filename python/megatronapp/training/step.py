@@ -32,6 +32,7 @@ class StepResult:
     loss: float  #: mean over the global batch
     grad_norm: float  #: before clipping
     lr: float
+    mtp_losses: list | None = None  #: --mtp-num-layers: each depth's mean loss
 
 
 def schedule_for(config, p: int, m: int, v: int = 1, parallel_state=None):
@@ -170,14 +171,33 @@ def train_step(run, it: int) -> StepResult:
     if run.config.parallel.forward_backward_disaggregating:
         return _fbd_train_step(run, it, lr)
     run.optimizer.zero_grad(set_to_none=True)
+    run.extra["mtp_losses"] = []
     loss = _global_batch_loss(run, "train", it, backward=True)
+    mtp = _mtp_losses(run)
     with tracing.scope("optimizer", "optimizer", lane=0):
         grad_norm = finish_gradients(run.chunks, run.optimizer, run.state,
                                      run.config.optim.clip_grad)
         run.optimizer.step()
         for layer in _moe_layers(run):
             layer.update_expert_bias(run.state.data_group)  # no-op without an expert bias
-    return StepResult(loss, grad_norm, lr)
+    return StepResult(loss, grad_norm, lr, mtp)
+
+
+def _mtp_losses(run) -> list | None:
+    """--mtp-num-layers: each depth's loss, the mean over the global batch
+    (one all-reduce; the last stage's tensor rank 0 contributes)."""
+    depths = run.config.model.mtp_num_layers
+    if not depths:
+        return None
+    state = run.state
+    total = torch.zeros(depths, dtype=torch.float64, device=run.device)
+    parts = run.extra.pop("mtp_losses", [])
+    if parts and state.tp_rank == 0:
+        total += torch.stack(parts).double().sum(0)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    micro = run.config.optim.global_batch_size // run.config.optim.micro_batch_size
+    return (total / micro).tolist()
 
 
 def evaluate(run, metric=None) -> list:
