@@ -8,11 +8,11 @@ from dist_harness import run_ranks
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
-         "--train-iters", "200", "--lr", "3e-3", "--eval-iters", "4", "--no-progress",
+         "--train-iters", "140", "--lr", "3e-3", "--eval-iters", "4", "--no-progress",
          "--log-interval", "100000"]
 # Biased codecs start after an uncompressed warm-up, as 1-bit Adam and PowerSGD do.
-CODECS = [("bf16", 0), ("fp16", 0), ("int8", 0), ("onebit:32", 50), ("topk:0.1", 40),
-          ("powersgd:4", 20)]
+CODECS = [("bf16", 0), ("fp16", 0), ("int8", 0), ("onebit:32", 35), ("topk:0.1", 28),
+          ("powersgd:4", 14)]
 
 
 def _train_all(rank, world, out_dir):
@@ -31,7 +31,7 @@ def _train_all(rank, world, out_dir):
     return results
 
 
-@pytest.mark.timeout(900)  # 14 training runs; ~100 s on the 2-core machine
+@pytest.mark.timeout(900)  # 14 training runs of 140 steps (200 until 2026-12-06); ~65 s
 def test_every_codec_trains_within_three_percent(tmp_path):
     res = run_ranks(_train_all, 2, str(tmp_path), timeout=900)[0]
     for zero in (False, True):
