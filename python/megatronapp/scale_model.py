@@ -326,6 +326,8 @@ def _schedule(job: Job, fwd, bi, bw, p2p) -> Schedule:
     if job.schedule == "dynamic":  # the adaptive planner, given the modelled costs
         return Schedule.dynamic(job.pp, m, job.vpp, "adaptive", job.memory_limit,
                                 costs=costs(job.pp, fwd, bi, bw, p2p))
+    if job.schedule == "zb-v":  # planned for the modelled costs too (as the trainer may)
+        return Schedule.zb_v(job.pp, m, costs(job.pp, fwd, bi, bw, p2p))
     return Schedule.by_name(job.schedule, job.pp, m, job.vpp)
 
 
@@ -537,6 +539,60 @@ def tokens_per_s(job: Job, hw: Hardware) -> float:
 
 def gpu_hours_per_trillion_tokens(job: Job, hw: Hardware) -> float:
     return 1e12 / tokens_per_s(job, hw) * job.gpus / 3600
+
+
+def job_from_flags(argv: list, world_size: int, **fields) -> Job:
+    """The Job that ``pretrain_gpt.py`` with the flags `argv` runs on
+    `world_size` GPUs: the architecture (the block, MLA's ranks and head dims,
+    the experts and dense-first layers, SwiGLU, GQA), the parallel layout, the
+    batch, the schedule and the recomputation come from the flags, parsed and
+    checked by the trainer's own parser; `fields` set what the flags do not
+    say (the vocabulary, FP8, the all-to-all's overlap, stage balancing...).
+    Multi-token prediction is not modelled (its one extra layer per step)."""
+    from .pretrain import build_parser
+    from .training import Config
+
+    cfg = Config.from_args(build_parser().parse_args(list(argv)))
+    m, par, o, moe = cfg.model, cfg.parallel, cfg.optim, cfg.moe
+    tp, pp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  par.context_parallel_size)
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"{world_size} GPUs is not a multiple of tp x pp x cp = {tp * pp * cp}")
+    h, a = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        qd, pe, vd, r = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank
+        rq = m.q_lora_rank
+        q = h * a * (qd + pe) if rq is None else h * rq + rq * a * (qd + pe)
+        attn = dict(attention_params=q + h * (r + pe) + r * a * (qd + vd) + a * vd * h,
+                    qk_head_dim=qd + pe, v_head_dim=vd)
+    else:
+        d = m.kv_channels or h // a
+        g = m.num_query_groups if m.group_query_attention else a
+        attn = dict(attention_params=h * (a + 2 * g) * d + a * d * h, qk_head_dim=d, v_head_dim=d,
+                    num_query_groups=g)
+    experts = {}
+    if moe.num_experts:
+        freq = moe.layer_freq()
+        freq = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
+        dense = freq.index(1) if 1 in freq else m.num_layers
+        if freq != [0] * dense + [1] * (m.num_layers - dense):
+            raise ValueError(f"--moe-layer-freq {freq}: the scale model takes dense layers first, "
+                             "then MoE layers")
+        f = moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h
+        experts = dict(num_experts=moe.num_experts, moe_topk=moe.moe_router_topk,
+                       moe_ffn_hidden_size=f, moe_dense_layers=dense,
+                       moe_shared_experts=(moe.moe_shared_expert_intermediate_size or 0) // f,
+                       ep=moe.expert_model_parallel_size)
+    v = par.virtual_pipeline_model_parallel_size or (2 if par.pipeline_schedule == "zb-v" else 1)
+    job = dict(num_layers=m.num_layers, hidden_size=h, num_attention_heads=a,
+               seq_length=m.seq_length, vocab_size=fields.pop("vocab_size", 50304), tp=tp,
+               pp=pp, dp=world_size // (tp * pp * cp), cp=cp,
+               global_batch_size=o.global_batch_size, micro_batch_size=o.micro_batch_size,
+               ffn_hidden_size=m.ffn_hidden_size, vpp=v, schedule=par.pipeline_schedule,
+               recompute=cfg.recompute.granularity(), sequence_parallel=par.sequence_parallel,
+               gated_mlp=m.swiglu, cp_comm_type=par.cp_comm_type, **attn, **experts)
+    job.update(fields)
+    return Job(**job)
 
 
 def gpus_for(job: Job, gpus: int) -> Job:

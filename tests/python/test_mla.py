@@ -213,12 +213,15 @@ DEEPSEEK_MOE = DEEPSEEK + ["--num-experts", "8", "--moe-router-topk", "2",
                            "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
                            "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor",
                            "2.5", "--moe-shared-expert-intermediate-size", "32",
-                           "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "([0]*1+[1]*3)"]
+                           "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "([0]*1+[1]*3)",
+                           "--moe-router-load-balancing-type", "seq_aux_loss",
+                           "--moe-aux-loss-coeff", "1e-2"]
 
 
 def test_deepseek_moe_block_under_ep2_and_tp2_matches_one_rank(tmp_path):
     """Dense first layer, sigmoid scores with the bias, node-limited routing,
-    shared experts and top-k scaling: EP2 and TP2 x SP compute what one rank does."""
+    shared experts, top-k scaling and the sequence-wise balance loss: EP2 and
+    TP2 x SP compute what one rank does."""
     one = run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path / "a"))[0]
     for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
@@ -344,3 +347,28 @@ def test_deepseek_moe_with_its_expert_bias_resumes_bit_identically(tmp_path):
                         str(tmp_path / "b"))
     for a, b in zip(full, resumed, strict=True):
         assert b == a[2:], (a, b)  # exact float equality
+
+
+def test_seq_aux_loss_equals_its_definition_per_sequence():
+    """DeepSeek-V3's sequence-wise balance loss against a loop over sequences."""
+    from megatronapp.moe.router import Router
+
+    torch.manual_seed(0)
+    E, k, s, b = 8, 2, 6, 3
+    r = Router(16, E, k, score_function="sigmoid", enable_expert_bias=True,
+               load_balancing_type="seq_aux_loss", aux_loss_coeff=0.1)
+    x = torch.randn(s * b, 16)  # [s, b] flattened, as the MoE layer gives it
+    _, idx, aux = r(x, seq_shape=(s, b))
+    scores = torch.sigmoid(x @ r.weight.T)
+    norm = scores / scores.sum(-1, keepdim=True)
+    want = 0.0
+    for j in range(b):
+        rows = [t * b + j for t in range(s)]
+        f = torch.zeros(E)
+        for t in rows:
+            for e in idx[t].tolist():
+                f[e] += E / (k * s)
+        want += float((f * norm[rows].mean(0)).sum().detach()) / b
+    assert abs(float(aux) - 0.1 * want) < 1e-6, (float(aux), 0.1 * want)
+    with pytest.raises(ValueError, match="seq_aux_loss needs the"):
+        r(x)

@@ -211,3 +211,41 @@ def test_reproduces_llama3_405b_within_fifteen_percent():
     for gpus, published in ((8192, 430.0), (16384, 400.0)):
         got = sm.predict(sm.gpus_for(job, gpus), h100)["model_flops_utilization"] * 989
         assert abs(got / published - 1) < 0.15, (gpus, got)
+
+
+def _script_flags(path: str) -> list:
+    """The MODEL and TRAIN arrays of an example launch script."""
+    import re
+    import shlex
+
+    text = open(path).read()
+    out = []
+    for name in ("MODEL", "TRAIN"):
+        body = re.search(name + r"=\((.*?)\)\n", text, re.S).group(1)
+        out += shlex.split(body)
+    return out
+
+
+def test_deepseek_v3_from_its_real_flags_reproduces_its_training_cost():
+    """examples/deepseek_v3/train_deepseek_v3.sh's flags, parsed by the
+    trainer's parser, give the report's model (671B, MLA) and its 180K H800
+    GPU-hours per trillion tokens within 15% (what the flags do not say: the
+    vocabulary, FP8, the dispatch, DualPipe's overlap, balanced stages)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    flags = _script_flags(os.path.join(root, "examples", "deepseek_v3", "train_deepseek_v3.sh"))
+    ds = sm.DEEPSEEK_V3_2048
+    job = sm.job_from_flags(flags, 2048, vocab_size=ds.vocab_size, fp8=True,
+                            a2a_bytes=ds.a2a_bytes, a2a_node_copies=ds.a2a_node_copies,
+                            a2a_overlap=ds.a2a_overlap, balance_stages=True, overlap_dp=True)
+    assert (job.attention_params, job.qk_head_dim, job.v_head_dim) == (
+        ds.attention_params, ds.qk_head_dim, ds.v_head_dim)
+    assert (job.num_experts, job.moe_topk, job.moe_dense_layers, job.moe_shared_experts,
+            job.ep, job.pp, job.dp, job.tp) == (256, 8, 3, 1, 64, 16, 128, 1)
+    assert abs(job.parameters() / 671e9 - 1) < 0.01
+    hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
+    h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
+    got = sm.gpu_hours_per_trillion_tokens(job, h800)  # ZB-H1 standing in for DualPipe
+    assert abs(got / 180e3 - 1) < 0.15, got
+    assert job == ds  # the flags give exactly the hand-built job

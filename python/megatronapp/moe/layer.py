@@ -124,7 +124,7 @@ class MoELayer(nn.Module):
             expert_in = mappings.copy_to_tensor_model_parallel_region(x, tp_group)
         s, b, h = expert_in.shape
         tokens = expert_in.reshape(s * b, h)
-        probs, idx, aux = self.router(route_in.reshape(s * b, h))
+        probs, idx, aux = self.router(route_in.reshape(s * b, h), seq_shape=(s, b))
         cap = self.router.capacity(s * b)
         recv, tpe, plan = dispatch(
             tokens, idx, self.num_experts, capacity=cap,

@@ -15,6 +15,11 @@ Megatron-Core's semantics and flag names:
   with ``f_e`` the fraction of the k * T assignments routed to e and ``P_e``
   the mean probability of e; ``moe_z_loss_coeff``: ST-MoE's
   ``mean(logsumexp(logits)^2)``.
+* ``seq_aux_loss`` (DeepSeek-V3's complementary sequence-wise balance loss):
+  the same ``coeff * E / k * sum_e f_e P_e`` within each sequence (``f_e``
+  the sequence's assignments to e over its length, ``P_e`` the mean of its
+  normalized scores), averaged over the sequences; the router is told the
+  tokens' [s, b] layout.
 * Group-limited routing (``moe_router_num_groups`` G, ``moe_router_group_topk``
   g; DeepSeek-V3's node-limited routing): the experts form G equal groups
   (with expert parallelism, e.g. one per node); a group scores the sum of
@@ -79,9 +84,9 @@ class Router(nn.Module):
         if score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"--moe-router-score-function {score_function!r}: expected "
                              "softmax or sigmoid")
-        if load_balancing_type not in ("aux_loss", "none"):
+        if load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"--moe-router-load-balancing-type {load_balancing_type!r}: "
-                             "expected aux_loss or none")
+                             "expected aux_loss, seq_aux_loss or none")
         if drop_policy not in ("probs", "position"):
             raise ValueError(f"--moe-token-drop-policy {drop_policy!r}: expected probs or "
                              "position")
@@ -131,7 +136,8 @@ class Router(nn.Module):
         masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
         return torch.topk(masked, k, dim=-1)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, seq_shape: tuple | None = None):
+        """`seq_shape`: (s, b) of the tokens x [s * b, h] (needed by seq_aux_loss)."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E], fp32
         if self._skew is not None:  # fault injection (MAPP_INJECT_EXPERT_SKEW)
             logits = logits + self._skew
@@ -159,6 +165,14 @@ class Router(nn.Module):
         aux = logits.new_zeros(())
         if self.load_balancing_type == "aux_loss" and self.aux_loss_coeff > 0 and T > 0:
             aux = aux + self.aux_loss_coeff * E * (full.mean(0) * (load / (T * k))).sum()
+        if self.load_balancing_type == "seq_aux_loss" and self.aux_loss_coeff > 0 and T > 0:
+            if seq_shape is None or seq_shape[0] * seq_shape[1] != T:
+                raise ValueError(f"seq_aux_loss needs the [s, b] layout of the {T} tokens, got "
+                                 f"{seq_shape}")
+            s, b = seq_shape
+            counts = torch.zeros(T, E, device=x.device).scatter_(1, idx, 1.0)
+            f = counts.view(s, b, E).sum(0) * (E / (k * s))  # [b, E]
+            aux = aux + self.aux_loss_coeff * (f * full.view(s, b, E).mean(0)).sum(-1).mean()
         if self.z_loss_coeff and T > 0:
             aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
         if self.topk_scaling_factor is not None:  # --moe-router-topk-scaling-factor

@@ -268,8 +268,9 @@ class MoEConfig:
     moe_router_score_function: str = _flag("softmax", "sigmoid: DeepSeek-V3's scores",
                                            choices=("softmax", "sigmoid"))
     moe_router_pre_softmax: bool = _flag(False, "softmax over all experts before the top-k")
-    moe_router_load_balancing_type: str = _flag("aux_loss", "load-balancing loss",
-                                                choices=("aux_loss", "none"))
+    moe_router_load_balancing_type: str = _flag(
+        "aux_loss", "load-balancing loss: over the micro-batch (aux_loss) or within each "
+        "sequence (seq_aux_loss, DeepSeek-V3's)", choices=("aux_loss", "seq_aux_loss", "none"))
     moe_aux_loss_coeff: float = _flag(0.0, "weight of the load-balancing loss (e.g. 1e-2)")
     moe_z_loss_coeff: float | None = _flag(None, "weight of the router z-loss (e.g. 1e-3)")
     moe_router_enable_expert_bias: bool = _flag(
@@ -737,6 +738,10 @@ class Config:
         par, m = self.parallel, self.model
         if cp == 1:
             return
+        if self.moe.moe_router_load_balancing_type == "seq_aux_loss" and self.moe.num_experts:
+            raise ConfigError("--moe-router-load-balancing-type seq_aux_loss with "
+                              "--context-parallel-size > 1 is not supported yet (a rank holds "
+                              "pieces of each sequence); use aux_loss or drop context parallelism")
         if m.mtp_num_layers:
             raise ConfigError("--mtp-num-layers with --context-parallel-size > 1 is not supported "
                               "yet (the shifted tokens cross the zigzag chunks); drop one of them")

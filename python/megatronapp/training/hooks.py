@@ -269,8 +269,10 @@ class ProgressHook(Hook):
                                  tok_s=f"{record['tokens_per_s']:,.0f}")
             self.bar.update(1)
         elif (it + 1) % self.cfg.log_interval == 0 or it == run.start_iteration:
+            mtp = "".join(f" | mtp_{k + 1} loss {x:.4f}"
+                          for k, x in enumerate(record.get("mtp_losses") or ()))
             print(f"iteration {it + 1:6d}/{run.config.optim.train_iters} | loss "
-                  f"{record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                  f"{record['loss']:.4f}{mtp} | lr {record['lr']:.2e} | grad norm "
                   f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tokens/s", flush=True)
 
     def on_end(self, run, summary):
