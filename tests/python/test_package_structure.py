@@ -118,8 +118,10 @@ def test_no_import_cycles():
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     # 13: a second model family (models -> vit -> gpt's shared layers) added one level;
-    # 14: a model composed of two others (models -> vlm -> vit -> gpt) one more
-    assert depth(graph) <= 14, f"import graph depth {depth(graph)}"
+    # 14: a model composed of two others (models -> vlm -> vit -> gpt) one more;
+    # 15: the scale model reads a training command line (scale_model -> pretrain), a
+    # tool on top of the training edge that nothing in the package imports
+    assert depth(graph) <= 15, f"import graph depth {depth(graph)}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
