@@ -372,3 +372,18 @@ def test_seq_aux_loss_equals_its_definition_per_sequence():
     assert abs(float(aux) - 0.1 * want) < 1e-6, (float(aux), 0.1 * want)
     with pytest.raises(ValueError, match="seq_aux_loss needs the"):
         r(x)
+
+
+def test_deepseek_block_with_int8_gradients_and_in_bf16(deepseek_ref, tmp_path):
+    """ZeRO-1 + int8 gradients (lossy: the first step exact, then close) and
+    bf16 (within 2% of fp32 under TP2 + SP)."""
+    got = run_ranks(_train, 2, DEEPSEEK + ["--use-distributed-optimizer", "--grad-compression",
+                                           "int8"], str(tmp_path / "int8"))
+    for losses in got:
+        assert abs(losses[0] - deepseek_ref[0]) < 1e-5
+        assert all(abs(g - w) < 5e-3 for g, w in zip(losses, deepseek_ref, strict=True)), losses
+    bf16 = run_ranks(_train, 2, DEEPSEEK + ["--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel", "--bf16"],
+                     str(tmp_path / "bf16"))[0]
+    for g, w in zip(bf16, deepseek_ref, strict=True):
+        assert abs(g - w) / w < 0.02, (bf16, deepseek_ref)
