@@ -387,3 +387,31 @@ def test_deepseek_block_with_int8_gradients_and_in_bf16(deepseek_ref, tmp_path):
                      str(tmp_path / "bf16"))[0]
     for g, w in zip(bf16, deepseek_ref, strict=True):
         assert abs(g - w) / w < 0.02, (bf16, deepseek_ref)
+
+
+def _count(rank, world):
+    import megatronapp as mapp
+    from megatronapp.models import GPTConfig, GPTModel
+
+    mapp.initialize_model_parallel(1, 1)
+    try:
+        out = []
+        for extra in ({}, {"q_lora_rank": None}, {"share_embeddings_and_output_weights": True}):
+            cfg = GPTConfig(**{**dict(
+                vocab_size=64, hidden_size=32, num_layers=3, num_attention_heads=4,
+                seq_length=16, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                position_embedding_type="yarn", multi_latent_attention=True, q_lora_rank=12,
+                kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1, 1],
+                moe_shared_expert_intermediate_size=16, mtp_num_layers=2,
+                share_embeddings_and_output_weights=False), **extra})
+            model = GPTModel(cfg)
+            out.append((sum(p.numel() for p in model.parameters()), cfg.num_parameters()))
+        return out
+    finally:
+        mapp.destroy_model_parallel()
+
+
+def test_parameter_count_of_mla_moe_and_mtp_is_the_models():
+    for built, counted in run_ranks(_count, 1)[0]:
+        assert built == counted, (built, counted)
