@@ -549,6 +549,7 @@ def job_from_flags(argv: list, world_size: int, **fields) -> Job:
     checked by the trainer's own parser; `fields` set what the flags do not
     say (the vocabulary, FP8, the all-to-all's overlap, stage balancing...).
     Multi-token prediction is not modelled (its one extra layer per step)."""
+    from .models.gpt import moe_layer_pattern
     from .pretrain import build_parser
     from .training import Config
 
@@ -572,8 +573,7 @@ def job_from_flags(argv: list, world_size: int, **fields) -> Job:
                     num_query_groups=g)
     experts = {}
     if moe.num_experts:
-        freq = moe.layer_freq()
-        freq = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
+        freq = moe_layer_pattern(moe.layer_freq(), m.num_layers)
         dense = freq.index(1) if 1 in freq else m.num_layers
         if freq != [0] * dense + [1] * (m.num_layers - dense):
             raise ValueError(f"--moe-layer-freq {freq}: the scale model takes dense layers first, "

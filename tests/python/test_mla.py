@@ -9,15 +9,11 @@ on one rank with the architecture taken from it."""
 from __future__ import annotations
 
 import pytest
+from test_llama import BASE, STEPS  # the same small training run as the Llama block's
 
 import torch
 from dist_harness import error_messages, run_ranks
 
-STEPS = 3
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
-        "--lr-warmup-iters", "1", "--train-iters", str(STEPS), "--eval-iters", "1",
-        "--no-progress", "--log-interval", "1000", "--make-vocab-size-divisible-by", "64"]
 DEEPSEEK = BASE + ["--num-attention-heads", "4", "--ffn-hidden-size", "96", "--swiglu",
                    "--normalization", "RMSNorm", "--disable-bias-linear",
                    "--untie-embeddings-and-output-weights", "--multi-latent-attention",

@@ -210,9 +210,7 @@ def _deepseek_family(cfg: dict) -> str:
         if cfg.get("moe_router_score_function") != "sigmoid" or not cfg.get(
                 "moe_router_enable_expert_bias"):
             unsupported.append("a router other than sigmoid scores with the expert bias")
-        freq = cfg.get("moe_layer_freq", 1)
-        freq = freq if isinstance(freq, list) else [int(i % freq == 0)
-                                                     for i in range(cfg["num_layers"])]
+        freq = _moe_pattern(cfg)
         k = freq.index(1) if 1 in freq else len(freq)
         if freq != [0] * k + [1] * (len(freq) - k):
             unsupported.append(f"--moe-layer-freq {freq} (DeepSeek-V3 has dense layers first, "
@@ -233,8 +231,7 @@ def _deepseek_family(cfg: dict) -> str:
 
 def _deepseek_hf_config(cfg: dict, hf: dict) -> dict:
     L, E = cfg["num_layers"], cfg.get("num_experts")
-    freq = cfg.get("moe_layer_freq", 1)
-    freq = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    freq = _moe_pattern(cfg)
     first_dense = freq.index(1) if E and 1 in freq else L
     f_moe = cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
     shared = cfg.get("moe_shared_expert_intermediate_size") or 0
@@ -340,11 +337,13 @@ def _hf_layer_names(cfg: dict, i: int, qkv_bias: bool) -> dict:
     return out
 
 
-def _is_moe(cfg: dict, i: int) -> bool:
+def _moe_pattern(cfg: dict) -> list:
+    """0/1 per layer: which layers have experts (all 0 for a dense model)."""
+    from ..models.gpt import moe_layer_pattern
+
     if not cfg.get("num_experts"):
-        return False
-    freq = cfg.get("moe_layer_freq", 1)
-    return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+        return [0] * cfg["num_layers"]
+    return moe_layer_pattern(cfg.get("moe_layer_freq", 1), cfg["num_layers"])
 
 
 def _deepseek_layer_names(cfg: dict, i: int, p: str) -> dict:
@@ -360,7 +359,7 @@ def _deepseek_layer_names(cfg: dict, i: int, p: str) -> dict:
                     o + "q_norm.weight": [a + "q_a_layernorm.weight"],
                     o + "q_up.weight": [a + "q_b_proj.weight"]})
     m, q = p + "mlp.", f"layers.{i}.mlp."
-    if not _is_moe(cfg, i):
+    if not _moe_pattern(cfg)[i]:
         out[q + "fc1.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
         out[q + "fc2.weight"] = [m + "down_proj.weight"]
         return out

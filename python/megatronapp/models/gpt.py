@@ -250,10 +250,7 @@ class GPTConfig:
         if self.num_experts is None:
             return False
         layer = min(layer, self.num_layers - 1)  # MTP layers are the last layer's kind
-        freq = self.moe_layer_freq
-        if isinstance(freq, (list, tuple)):
-            return bool(freq[layer])
-        return layer % freq == 0
+        return bool(moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer])
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters; with ``active``, those one token uses (MoE layers
@@ -297,6 +294,14 @@ class GPTConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as 0/1 per layer: an int N marks layers 0, N, 2N, ...;
+    a list is the pattern itself."""
+    if isinstance(freq, (list, tuple)):
+        return [int(f) for f in freq]
+    return [int(i % freq == 0) for i in range(num_layers)]
 
 
 def activation_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> torch.Tensor:
