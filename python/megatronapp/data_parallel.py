@@ -136,14 +136,15 @@ class DistributedDataParallel(nn.Module):
         self._exact_replicated = tp_size > 1
         # Experts (megatronapp.moe) differ across the expert-parallel ranks of
         # the data group: reduced over the expert-data-parallel group.
-        self.expert_group, self.ep_size = self.group, 1
+        self.expert_group, self.expert_scale = self.group, 1.0
         if any(getattr(p, "expert_parallel", False) for p in module.parameters()):
             st = parallel_state or get_parallel_state()
             if process_group is not st.data_group:
                 raise ValueError("DistributedDataParallel with MoE experts reduces over the "
                                  "grid's data and expert-data groups; do not pass process_group "
                                  "(and context parallelism does not combine with experts yet)")
-            self.expert_group, self.ep_size = st.expert_data_group_or_data(), st.ep_size
+            self.expert_group = st.expert_data_group_or_data()
+            self.expert_scale = st.expert_grad_scale()
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.bucket_size = int(bucket_size_mb * 1024 * 1024)
@@ -426,10 +427,10 @@ class DistributedDataParallel(nn.Module):
         spec = self._spec(b)
         state = self._codec_state(b, spec)
         name = b.group.group_name
-        if b.expert and self.ep_size > 1:
+        if b.expert and self.expert_scale != 1.0:
             # Summed over ep ranks' tokens by the dispatcher already; the
-            # reduction averages over edp: 1/ep more makes it 1/dp.
-            b.grad_data.mul_(1.0 / self.ep_size)
+            # reduction averages over edp: edp/dp more makes it 1/dp.
+            b.grad_data.mul_(self.expert_scale)
         if self._zero:
             b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
                 b.grad_data, spec, state, b.layout, b.shard, True, name)

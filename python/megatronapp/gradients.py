@@ -28,35 +28,18 @@ from .tensor_parallel.utils import is_tensor_parallel
 __all__ = ["counted", "global_norm", "clip_", "clip_grad_norm_"]
 
 
-def counted(param: torch.Tensor, state: ParallelState | None,
-            experts_summed: bool = False) -> bool:
-    """Whether `param`'s gradient enters the norm on this rank. With
-    `experts_summed` (the norm is then summed over the expert-parallel
-    group too) parameters other than experts count on ep rank 0 only."""
+def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
+    """Whether `param`'s gradient enters the norm on this rank: tensor-parallel
+    shards (an expert's shards included) on every tensor rank, replicated
+    parameters on tensor rank 0 only, the last stage's replica of tied
+    embeddings nowhere."""
     if getattr(param, "shared_embedding_replica", False):
-        return False
-    if experts_summed and state is not None and state.ep_rank != 0 \
-            and not getattr(param, "expert_parallel", False):
         return False
     tp_rank = state.tp_rank if state is not None else 0
     return is_tensor_parallel(param) or tp_rank == 0
 
 
-@torch.no_grad()
-def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGroup],
-                device: torch.device | None = None,
-                expert_group: dist.ProcessGroup | None = None) -> float:
-    """L2 norm of the counted gradients of `pairs`, summed over `groups`
-    (e.g. the data group for ZeRO-1 shards, then the model group). MoE
-    experts are distinct on each rank of `expert_group` (full gradients under
-    expert parallelism): the sum also runs over it, the other parameters
-    counting on its rank 0 only."""
-    summed = expert_group is not None and expert_group.size() > 1
-    grads = [g for p, g in pairs if counted(p, state, summed)]
-    if summed:
-        groups = [expert_group, *groups]
-    if device is None:
-        device = grads[0].device if grads else torch.device("cpu")
+def _sum_squares(grads, device) -> torch.Tensor:
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:
         # One pass per tensor without copies (fp32 accumulation, as
@@ -64,9 +47,35 @@ def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGro
         # squared and summed in float64.
         norms = torch._foreach_norm([g.detach() for g in grads])  # noqa: SLF001
         total += torch.stack(norms).double().square().sum()
+    return total
+
+
+@torch.no_grad()
+def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGroup],
+                device: torch.device | None = None,
+                expert_groups: list[dist.ProcessGroup] | None = None) -> float:
+    """L2 norm of the counted gradients of `pairs`, summed over `groups`
+    (e.g. the data group for ZeRO-1 shards, then the model group). Under an
+    expert grid (:meth:`ParallelState.expert_norm_groups`, not None when
+    ep > 1 or etp != tp) MoE experts' squares are summed apart, over
+    `expert_groups`, where every expert shard lives on exactly one rank;
+    otherwise experts are tensor-parallel parameters like the others."""
+    pairs = list(pairs)
+    if device is None:
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+    split = expert_groups is not None
+    dense = [g for p, g in pairs if not (split and getattr(p, "expert_parallel", False))
+             and counted(p, state)]
+    total = _sum_squares(dense, device)
     for group in groups:
         if group is not None:
             _collectives.all_reduce_sum_(total, group)
+    if split:
+        experts = _sum_squares([g for p, g in pairs if getattr(p, "expert_parallel", False)],
+                               device)
+        for group in expert_groups:
+            _collectives.all_reduce_sum_(experts, group)
+        total += experts
     return math.sqrt(float(total))  # the one host synchronization
 
 
@@ -80,10 +89,10 @@ def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
 
 def clip_grad_norm_(pairs, max_norm: float, state: ParallelState | None,
                     groups: list[dist.ProcessGroup], device: torch.device | None = None,
-                    expert_group: dist.ProcessGroup | None = None) -> float:
+                    expert_groups: list[dist.ProcessGroup] | None = None) -> float:
     """:func:`global_norm` of `pairs`, then :func:`clip_` of all their
     gradients; returns the norm before clipping."""
     pairs = list(pairs)
-    norm = global_norm(pairs, state, groups, device, expert_group)
+    norm = global_norm(pairs, state, groups, device, expert_groups)
     clip_([g for _, g in pairs], max_norm, norm)
     return norm

@@ -161,10 +161,10 @@ class MixedPrecisionOptimizer:
     def _norm_groups(self) -> list:
         return [self.state_mp.model_group] if self.state_mp else []
 
-    def _expert_norm_group(self):
-        """Full (unsharded) gradients: experts' squares are summed over the
-        expert-parallel group as well (see gradients.global_norm)."""
-        return self.state_mp.expert_group if self.state_mp else None
+    def _expert_norm_groups(self):
+        """Full (unsharded) gradients: where experts' squares are summed (see
+        gradients.global_norm)."""
+        return self.state_mp.expert_norm_groups() if self.state_mp else None
 
     @torch.no_grad()
     def _write_back(self) -> None:
@@ -195,7 +195,7 @@ class MixedPrecisionOptimizer:
         norm = gradients.global_norm(self.grad_shards(), self.state_mp, self._norm_groups(),
                                      device=self.buckets[0].grad_data.device
                                      if self.buckets else None,
-                                     expert_group=self._expert_norm_group())
+                                     expert_groups=self._expert_norm_groups())
         # Only a loss-scaled (fp16) run skips a step on overflow, as Megatron.
         self._found_inf = self.grad_scaler is not None and not math.isfinite(norm)
         if not self._found_inf:
@@ -294,13 +294,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
 
     def _norm_groups(self) -> list:
-        # The shards are summed over dp too. An expert's shards partition it
-        # over its edp ranks, and the experts partition over the ep ranks, so
-        # summing over the whole data group counts every expert once as well.
+        # The shards are summed over dp too. Without an expert grid an
+        # expert's shards partition it over the data group like any other
+        # parameter's.
         return [self.group] + super()._norm_groups()
 
-    def _expert_norm_group(self):
-        return None
+    def _expert_norm_groups(self):
+        # An expert's shards partition it over its edp ranks.
+        return self.state_mp.expert_norm_groups(sharded=True) if self.state_mp else None
 
     @torch.no_grad()
     def _write_back(self) -> None:

@@ -65,6 +65,12 @@ class ParallelState:
     #: the ranks holding the same experts: expert gradients are reduced over
     #: it (the data group when ep == 1)
     expert_data_group: dist.ProcessGroup | None = None
+    #: the ranks holding the other shards of this rank's experts (size etp;
+    #: the tensor group when etp == tp, None when etp == 1)
+    expert_tensor_group: dist.ProcessGroup | None = None
+    #: the tensor ranks routing the other slices of this rank's tokens when
+    #: etp < tp (same etp rank; None when etp == tp)
+    expert_token_group: dist.ProcessGroup | None = None
     #: the ranks splitting one sequence with this one (None when cp == 1)
     context_group: dist.ProcessGroup | None = None
     #: data x context ranks: the replicas of the dense weights when cp > 1
@@ -94,6 +100,34 @@ class ParallelState:
     @property
     def edp_rank(self) -> int:
         return self.grid.edp_rank(self.rank)
+
+    @property
+    def etp_size(self) -> int:
+        return self.grid.etp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.grid.etp_rank(self.rank)
+
+    @property
+    def expert_token_index(self) -> int:
+        """Which of the tp / etp token slices this rank's experts see."""
+        return self.tp_rank // self.grid.etp
+
+    def expert_norm_groups(self, sharded: bool = False) -> list | None:
+        """The groups an expert gradient's squares are summed over so that each
+        expert shard counts once: its expert-parallel, expert-tensor and
+        pipeline peers, and with ZeRO-1 `sharded` gradients its
+        expert-data-parallel peers too (each holds one slice). None without an
+        expert grid (ep == 1 and etp == tp): experts are then tensor-parallel
+        parameters replicated like the dense ones. Every rank of the grid
+        agrees, whether or not its stage holds an MoE layer."""
+        if self.ep_size == 1 and self.etp_size == self.tp_size:
+            return None
+        groups = [self.expert_group, self.expert_tensor_group, self.pipeline_group]
+        if sharded:
+            groups.insert(0, self.expert_data_group_or_data())
+        return [g for g in groups if g is not None and g.size() > 1]
 
     def expert_data_group_or_data(self) -> dist.ProcessGroup:
         return self.expert_data_group if self.expert_data_group is not None else self.data_group
@@ -137,6 +171,13 @@ class ParallelState:
     def describe(self) -> str:
         c = self.grid.coord(self.rank)
         return f"rank {self.rank} (pp={c.pp} dp={c.dp} tp={c.tp}) in {self.grid!r}"
+
+    def expert_grad_scale(self) -> float:
+        """What an expert gradient summed by the dispatcher over its
+        expert-parallel peers' tokens is multiplied by before an *average*
+        over the expert-data-parallel group, so that the result is the data
+        average (1 / dp) of the experts' full gradient."""
+        return self.edp_size / self.dp_size
 
 
 _STATE: ParallelState | None = None
@@ -256,6 +297,7 @@ def initialize_model_parallel(
     backend: str | None = None,
     expert_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ParallelState:
     """Builds the (tp, pp, dp) grid over the default process group and creates
     its groups. Call after ``torch.distributed.init_process_group``; every rank
@@ -263,6 +305,10 @@ def initialize_model_parallel(
     ``world_size / (tp * pp)``. ``expert_model_parallel_size`` (ep) shards
     MoE experts over ep data-parallel ranks (Megatron-Core's layout: ep
     divides dp; the expert groups come from ``RankGrid.expert_groups``).
+    ``expert_tensor_parallel_size`` (etp, default tp) splits each expert's
+    weights over etp tensor ranks; with etp < tp the other tensor ranks route
+    their own slices of the tokens and join the expert grid (ep then divides
+    ``tp / etp * cp * dp``).
 
     Returns the new :class:`ParallelState` (also installed as the default that
     the ``get_*`` functions of this module read).
@@ -276,7 +322,8 @@ def initialize_model_parallel(
     _STATE = create_parallel_state(tensor_model_parallel_size, pipeline_model_parallel_size,
                                    virtual_pipeline_model_parallel_size, backend=backend,
                                    expert_model_parallel_size=expert_model_parallel_size,
-                                   context_parallel_size=context_parallel_size)
+                                   context_parallel_size=context_parallel_size,
+                                   expert_tensor_parallel_size=expert_tensor_parallel_size)
     return _STATE
 
 
@@ -288,6 +335,7 @@ def create_parallel_state(
     backend: str | None = None,
     expert_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ParallelState:
     """Like :func:`initialize_model_parallel` but installs nothing: the
     returned value is passed explicitly (``parallel_state=``)."""
@@ -299,7 +347,8 @@ def create_parallel_state(
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = RankGrid(world, tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
-                    cp=context_parallel_size, ep=expert_model_parallel_size)
+                    cp=context_parallel_size, ep=expert_model_parallel_size,
+                    etp=expert_tensor_parallel_size or 0)
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError(
@@ -332,14 +381,23 @@ def create_parallel_state(
         dpcp_group, _ = new_groups(grid.groups(["cp", "dp"]), rank, backend)
     ep_group = edp_group = None
     ep_ranks, edp_ranks = [rank], dp_ranks
-    if grid.ep > 1:
+    if grid.ep > 1 or grid.etp != grid.tp:
         ep_group, ep_ranks = new_groups(grid.expert_groups(), rank, backend)
         edp_group, edp_ranks = new_groups(grid.expert_data_groups(), rank, backend)
+    etp_group, etp_ranks = (tp_group, tp_ranks) if grid.etp == grid.tp else (None, [rank])
+    etok_group, etok_ranks = None, [rank]
+    if grid.etp != grid.tp:
+        if grid.etp > 1:
+            etp_group, etp_ranks = new_groups(grid.expert_tensor_groups(), rank, backend)
+        etok_group, etok_ranks = new_groups(grid.expert_token_groups(), rank, backend)
     # On one node our collectives on these groups (tensor-parallel activations,
     # data-parallel buckets, norms, tied embeddings) move through shared memory.
     for g in (tp_group, dp_group, mp_group, emb_group, ep_group, edp_group, cp_group,
               dpcp_group):
         enable_shared_memory(g)
+    for g in (etp_group, etok_group):
+        if g is not tp_group:
+            enable_shared_memory(g)
     # ... and, with MAPP_SHM_P2P=1, the pipeline's activations and gradients.
     enable_shared_memory(pp_group, p2p=True)
     return ParallelState(
@@ -353,9 +411,12 @@ def create_parallel_state(
         virtual_pipeline_size=virtual_pipeline_model_parallel_size,
         virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size else None,
         group_ranks={"tp": tp_ranks, "dp": dp_ranks, "pp": pp_ranks, "mp": mp_ranks,
-                     "embedding": emb_ranks, "ep": ep_ranks, "edp": edp_ranks, "cp": cp_ranks},
+                     "embedding": emb_ranks, "ep": ep_ranks, "edp": edp_ranks, "cp": cp_ranks,
+                     "etp": etp_ranks, "etok": etok_ranks},
         expert_group=ep_group,
         expert_data_group=edp_group,
+        expert_tensor_group=etp_group,
+        expert_token_group=etok_group,
         context_group=cp_group,
         data_context_group=dpcp_group,
     )
@@ -368,7 +429,8 @@ def destroy_model_parallel() -> None:
         return
     groups = {_STATE.tensor_group, _STATE.data_group, _STATE.pipeline_group,
               _STATE.model_group, _STATE.embedding_group, _STATE.expert_group,
-              _STATE.expert_data_group, _STATE.context_group, _STATE.data_context_group}
+              _STATE.expert_data_group, _STATE.context_group, _STATE.data_context_group,
+              _STATE.expert_tensor_group, _STATE.expert_token_group}
     for g in groups:
         if g is not None and dist.is_initialized():
             disable_shared_memory(g)
@@ -529,3 +591,16 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     return get_parallel_state().is_pipeline_last_stage(ignore_virtual)
+
+
+def get_expert_tensor_parallel_group():
+    """The ranks holding the other shards of this rank's experts (None when etp == 1)."""
+    return get_parallel_state().expert_tensor_group
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return get_parallel_state().etp_rank
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return get_parallel_state().etp_size

@@ -99,7 +99,8 @@ class Job:
     moe_ffn_hidden_size: int | None = None  #: per expert (default ffn_hidden_size)
     moe_shared_experts: int = 0  #: always-active experts of moe_ffn_hidden_size
     moe_dense_layers: int = 0  #: the first N layers keep a dense MLP (DeepSeek-V3: 3)
-    ep: int = 1  #: expert-parallel size, carved out of dp
+    ep: int = 1  #: expert-parallel size, carved out of dp (and tp / etp)
+    etp: int | None = None  #: expert-tensor-parallel size (default tp; divides it)
     gated_mlp: bool = False  #: SwiGLU: three matrices per MLP instead of two
     attention_params: int | None = None  #: weights of one attention block (default 4 h^2)
     qk_head_dim: int | None = None  #: core attention head dims (default hidden / heads)
@@ -310,7 +311,7 @@ def _moe_all_to_all(job: Job, hw: Hardware, tokens: float) -> float:
     """Seconds of one MoE layer's dispatch + combine for `tokens` tokens of
     this GPU: the copies that leave the node over the network, the rest over
     NVLink (both directions in parallel; the slower bounds)."""
-    per_node = max(1, hw.gpus_per_node // job.tp)
+    per_node = max(1, hw.gpus_per_node // (job.etp or job.tp))
     local_ep = min(job.ep, per_node)
     remote = (job.a2a_node_copies if job.a2a_node_copies is not None
               else job.moe_topk * (1.0 - local_ep / job.ep))
@@ -357,10 +358,11 @@ def predict(job: Job, hw: Hardware) -> dict:
     dp_time = _ring_all_reduce(params_per_gpu * job.grad_bytes, dpc, hw.inter_bandwidth,
                                hw.inter_latency)
     opt_params = params_per_gpu / dpc
-    if job.num_experts:  # experts: 1/ep of them per GPU, reduced over dp / ep ranks
+    if job.num_experts:  # experts: 1/ep of them per GPU, in etp shards, reduced over edp
+        etp = job.etp or job.tp
         dense_pg = job.dense_parameters() / (job.tp * job.pp)
-        expert_pg = job.expert_parameters() / (job.tp * job.pp * job.ep)
-        edp = max(1, dpc // job.ep)
+        expert_pg = job.expert_parameters() / (etp * job.pp * job.ep)
+        edp = max(1, job.tp // etp * dpc // job.ep)
         params_per_gpu = dense_pg + expert_pg
         dp_time = (_ring_all_reduce(dense_pg * job.grad_bytes, dpc, hw.inter_bandwidth,
                                     hw.inter_latency)
@@ -403,11 +405,15 @@ def memory_per_gpu(job: Job, hw: Hardware) -> dict:
     scale = job.act_bytes / 2
     layer = s * b * h * (34 / t if job.sequence_parallel else 10 + 24 / t) * scale
     if job.num_experts:
-        params = (job.dense_parameters() / (t * job.pp)
-                  + job.expert_parameters() / (t * job.pp * job.ep))
+        etp = job.etp or t
+        dense = job.dense_parameters() / (t * job.pp)
+        experts = job.expert_parameters() / (etp * job.pp * job.ep)
+        params = dense + experts
+        master = dense / (job.dp * job.cp) + experts / max(1, t // etp * job.dp * job.cp // job.ep)
     else:
         params = job.parameters() / (t * job.pp)
-    states = params * (2 + 4) + params * 12 / (job.dp * job.cp)
+        master = params / (job.dp * job.cp)
+    states = params * (2 + 4) + master * 12
     in_flight = predict(job, hw)["peak_activation_layers"]
     if job.recompute_granularity == "full":
         kept = 2 * s * b * h * scale / (t if job.sequence_parallel else 1)
@@ -582,7 +588,8 @@ def job_from_flags(argv: list, world_size: int, **fields) -> Job:
         experts = dict(num_experts=moe.num_experts, moe_topk=moe.moe_router_topk,
                        moe_ffn_hidden_size=f, moe_dense_layers=dense,
                        moe_shared_experts=(moe.moe_shared_expert_intermediate_size or 0) // f,
-                       ep=moe.expert_model_parallel_size)
+                       ep=moe.expert_model_parallel_size,
+                       etp=moe.expert_tensor_parallel_size)
     v = par.virtual_pipeline_model_parallel_size or (2 if par.pipeline_schedule == "zb-v" else 1)
     job = dict(num_layers=m.num_layers, hidden_size=h, num_attention_heads=a,
                seq_length=m.seq_length, vocab_size=fields.pop("vocab_size", 50304), tp=tp,

@@ -75,8 +75,9 @@ void register_topology(py::module_& m) {
     return axes;
   };
   py::class_<mapp::RankGrid>(m, "RankGrid")
-      .def(py::init<int, int, int, int, int, int>(), py::arg("world_size"), py::arg("tp") = 1,
-           py::arg("pp") = 1, py::arg("dp") = 0, py::arg("cp") = 1, py::arg("ep") = 1)
+      .def(py::init<int, int, int, int, int, int, int>(), py::arg("world_size"),
+           py::arg("tp") = 1, py::arg("pp") = 1, py::arg("dp") = 0, py::arg("cp") = 1,
+           py::arg("ep") = 1, py::arg("etp") = 0)
       .def_property_readonly("world_size", &mapp::RankGrid::world_size)
       .def_property_readonly("tp", &mapp::RankGrid::tp)
       .def_property_readonly("cp", &mapp::RankGrid::cp)
@@ -84,6 +85,8 @@ void register_topology(py::module_& m) {
       .def_property_readonly("pp", &mapp::RankGrid::pp)
       .def_property_readonly("ep", &mapp::RankGrid::ep)
       .def_property_readonly("edp", &mapp::RankGrid::edp)
+      .def_property_readonly("etp", &mapp::RankGrid::etp)
+      .def("etp_rank", &mapp::RankGrid::etp_rank, py::arg("rank"))
       .def("ep_rank", &mapp::RankGrid::ep_rank, py::arg("rank"))
       .def("edp_rank", &mapp::RankGrid::edp_rank, py::arg("rank"))
       .def("expert_group", &mapp::RankGrid::expert_group, py::arg("rank"),
@@ -92,6 +95,12 @@ void register_topology(py::module_& m) {
            "ranks holding the same experts as `rank` (size edp)")
       .def("expert_groups", &mapp::RankGrid::expert_groups)
       .def("expert_data_groups", &mapp::RankGrid::expert_data_groups)
+      .def("expert_tensor_group", &mapp::RankGrid::expert_tensor_group, py::arg("rank"),
+           "ranks holding the other shards of `rank`'s experts (size etp)")
+      .def("expert_token_group", &mapp::RankGrid::expert_token_group, py::arg("rank"),
+           "tensor ranks routing the other slices of `rank`'s tokens (size tp / etp)")
+      .def("expert_tensor_groups", &mapp::RankGrid::expert_tensor_groups)
+      .def("expert_token_groups", &mapp::RankGrid::expert_token_groups)
       .def("coord", &mapp::RankGrid::coord, py::arg("rank"))
       .def("rank", &mapp::RankGrid::rank, py::arg("coord"))
       .def("group", [to_axes](const mapp::RankGrid& g, int rank,

@@ -34,8 +34,8 @@ int Coord::get(Axis axis) const {
   return 0;
 }
 
-RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp, int ep)
-    : world_size_(world_size), sizes_{tp, cp, dp, pp}, ep_(ep) {
+RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp, int ep, int etp)
+    : world_size_(world_size), sizes_{tp, cp, dp, pp}, ep_(ep), etp_(etp == 0 ? tp : etp) {
   MAPP_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   MAPP_CHECK(tp >= 1 && pp >= 1 && cp >= 1 && dp >= 0,
              "parallel sizes must be >= 1 (dp may be 0 to infer it): got tensor=", tp,
@@ -53,47 +53,65 @@ RankGrid::RankGrid(int world_size, int tp, int pp, int dp, int cp, int ep)
                ") x data(", dp, ") = ", model * dp,
                "; the four sizes must multiply to the number of ranks");
   }
-  const int data = this->cp() * this->dp();
+  MAPP_CHECK(etp_ >= 1 && tp % etp_ == 0, "expert-tensor-parallel size ", etp_,
+             " does not divide the tensor-parallel size ", tp,
+             ": the experts' shards are split over a subset of one tensor group; choose a "
+             "divisor of ", tp);
+  const int data = tp / etp_ * this->cp() * this->dp();
   MAPP_CHECK(ep >= 1 && data % ep == 0, "expert-model-parallel size ", ep,
-             " does not divide data(", this->dp(), ") x context(", this->cp(), ") = ", data,
-             " (world ", world_size, " / (tensor(", tp, ") x pipeline(", pp,
-             "))): experts are sharded over data-parallel ranks; choose an expert-parallel "
-             "size that divides ",
+             " does not divide (tensor(", tp, ") / expert-tensor(", etp_, ")) x data(",
+             this->dp(), ") x context(", this->cp(), ") = ", data, " (world ", world_size,
+             " / (tensor(", tp, ") x pipeline(", pp,
+             "))): experts are sharded over the data-parallel ranks (and the tensor ranks "
+             "beyond the expert-tensor size); choose an expert-parallel size that divides ",
              data, " or launch more ranks");
 }
 
+int RankGrid::stage_index(int rank) const {
+  const Coord c = coord(rank);
+  return (c.dp * cp() + c.cp) * tp() + c.tp;
+}
+
 template <typename Keep>
-std::vector<int> RankGrid::data_ranks(int rank, Keep&& keep) const {
-  Coord c = coord(rank);
+std::vector<int> RankGrid::stage_ranks(int rank, Keep&& keep) const {
+  const int pp_i = coord(rank).pp;
   std::vector<int> out;
-  for (int i = 0; i < cp() * dp(); ++i) {
-    if (!keep(i)) continue;
-    c.dp = i / cp();
-    c.cp = i % cp();
-    out.push_back(this->rank(c));
+  for (int f = 0; f < tp() * cp() * dp(); ++f) {
+    if (!keep(f)) continue;
+    out.push_back(this->rank(Coord{f % tp(), f / tp() % cp(), f / (tp() * cp()), pp_i}));
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
-int RankGrid::ep_rank(int rank) const {
-  const Coord c = coord(rank);
-  return (c.dp * cp() + c.cp) % ep_;
-}
+int RankGrid::etp_rank(int rank) const { return coord(rank).tp % etp_; }
 
-int RankGrid::edp_rank(int rank) const {
-  const Coord c = coord(rank);
-  return (c.dp * cp() + c.cp) / ep_;
-}
+int RankGrid::ep_rank(int rank) const { return stage_index(rank) / etp_ % ep_; }
+
+int RankGrid::edp_rank(int rank) const { return stage_index(rank) / etp_ / ep_; }
 
 std::vector<int> RankGrid::expert_group(int rank) const {
-  const int mine = edp_rank(rank);
-  return data_ranks(rank, [&](int i) { return i / ep_ == mine; });
+  const int f0 = stage_index(rank);
+  return stage_ranks(rank, [&](int f) {
+    return f % etp_ == f0 % etp_ && f / etp_ / ep_ == f0 / etp_ / ep_;
+  });
 }
 
 std::vector<int> RankGrid::expert_data_group(int rank) const {
-  const int mine = ep_rank(rank);
-  return data_ranks(rank, [&](int i) { return i % ep_ == mine; });
+  const int f0 = stage_index(rank);
+  return stage_ranks(rank, [&](int f) {
+    return f % etp_ == f0 % etp_ && f / etp_ % ep_ == f0 / etp_ % ep_;
+  });
+}
+
+std::vector<int> RankGrid::expert_tensor_group(int rank) const {
+  const int f0 = stage_index(rank);
+  return stage_ranks(rank, [&](int f) { return f / etp_ == f0 / etp_; });
+}
+
+std::vector<int> RankGrid::expert_token_group(int rank) const {
+  const int f0 = stage_index(rank);
+  return stage_ranks(rank, [&](int f) { return f / tp() == f0 / tp() && f % etp_ == f0 % etp_; });
 }
 
 std::vector<std::vector<int>> RankGrid::partition(
@@ -115,6 +133,14 @@ std::vector<std::vector<int>> RankGrid::expert_groups() const {
 
 std::vector<std::vector<int>> RankGrid::expert_data_groups() const {
   return partition([this](int r) { return expert_data_group(r); });
+}
+
+std::vector<std::vector<int>> RankGrid::expert_tensor_groups() const {
+  return partition([this](int r) { return expert_tensor_group(r); });
+}
+
+std::vector<std::vector<int>> RankGrid::expert_token_groups() const {
+  return partition([this](int r) { return expert_token_group(r); });
 }
 
 Coord RankGrid::coord(int rank) const {
@@ -180,7 +206,11 @@ std::string RankGrid::describe() const {
   std::ostringstream os;
   os << "world " << world_size_ << " = tp " << tp() << " x cp " << cp() << " x dp "
      << dp() << " x pp " << pp();
-  if (ep_ > 1) os << " (experts: ep " << ep_ << " x edp " << edp() << ")";
+  if (ep_ > 1 || etp_ != tp()) {
+    os << " (experts: ";
+    if (etp_ != tp()) os << "etp " << etp_ << " x ";
+    os << "ep " << ep_ << " x edp " << edp() << ")";
+  }
   return os.str();
 }
 

@@ -121,6 +121,38 @@ TEST(RankGrid, ExpertGroupsCarvedOutOfData) {
   EXPECT_EQ(RankGrid(4, 1, 1).expert_group(2), (std::vector<int>{2}));
 }
 
+TEST(RankGrid, ExpertTensorParallelSmallerThanTensor) {
+  // tp 4 x dp 2, etp 2, ep 4: rank r has tp = r % 4, dp = r / 4 and f = r.
+  RankGrid grid(8, /*tp=*/4, /*pp=*/1, /*dp=*/2, /*cp=*/1, /*ep=*/4, /*etp=*/2);
+  EXPECT_EQ(grid.etp(), 2);
+  EXPECT_EQ(grid.edp(), 1);
+  EXPECT_EQ(grid.etp_rank(5), 1);
+  EXPECT_EQ(grid.ep_rank(5), 2);
+  EXPECT_EQ(grid.expert_group(0), (std::vector<int>{0, 2, 4, 6}));
+  EXPECT_EQ(grid.expert_data_group(0), (std::vector<int>{0}));
+  EXPECT_EQ(grid.expert_tensor_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(grid.expert_token_group(5), (std::vector<int>{5, 7}));
+  for (const auto& gs : {grid.expert_groups(), grid.expert_data_groups(),
+                         grid.expert_tensor_groups(), grid.expert_token_groups()}) {
+    std::vector<int> seen(8, 0);
+    for (const auto& g : gs)
+      for (int r : g) seen[r]++;
+    EXPECT_EQ(seen, std::vector<int>(8, 1));
+  }
+  // DeepSeek-V3's layout in small: attention over tp 2, experts whole (etp 1)
+  // and spread over both tensor ranks.
+  RankGrid ds(4, /*tp=*/2, /*pp=*/2, /*dp=*/1, /*cp=*/1, /*ep=*/2, /*etp=*/1);
+  EXPECT_EQ(ds.expert_group(2), (std::vector<int>{2, 3}));
+  EXPECT_EQ(ds.expert_tensor_group(3), (std::vector<int>{3}));
+  EXPECT_EQ(ds.expert_token_group(3), (std::vector<int>{2, 3}));
+  EXPECT_EQ(ds.describe(), "world 4 = tp 2 x cp 1 x dp 1 x pp 2 (experts: etp 1 x ep 2 x edp 1)");
+  // The default (etp = tp) keeps the expert grid inside the data ranks.
+  RankGrid same(8, 2, 1, 4, 1, 2);
+  EXPECT_EQ(same.etp(), 2);
+  EXPECT_EQ(same.expert_tensor_group(3), same.group(3, {Axis::kTensor}));
+  EXPECT_EQ(same.expert_token_group(3), (std::vector<int>{3}));
+}
+
 void expect_error_mentions(const std::function<void()>& f,
                            const std::vector<std::string>& parts) {
   try {
@@ -140,6 +172,8 @@ TEST(RankGrid, InvalidConfigsNameEveryFactor) {
   expect_error_mentions([] { RankGrid(8, 0, 1); }, {"tensor=0"});
   expect_error_mentions([] { RankGrid(4, 2, 1).coord(4); }, {"rank 4", "[0, 4)"});
   expect_error_mentions([] { RankGrid(4, 2, 1).rank(Coord{2, 0, 0, 0}); }, {"tp coordinate 2"});
+  expect_error_mentions([] { RankGrid(8, 4, 1, 0, 1, 1, 3); },
+                        {"expert-tensor-parallel size 3", "tensor-parallel size 4"});
   expect_error_mentions([] { RankGrid(8, 2, 1, 0, 1, 3); },
                         {"expert-model-parallel size 3", "data(4)", "divides 4"});
   EXPECT_THROW(parse_axis("xp"), ValueError);

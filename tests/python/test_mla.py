@@ -216,12 +216,18 @@ DEEPSEEK_MOE = DEEPSEEK + ["--num-experts", "8", "--moe-router-topk", "2",
 
 def test_deepseek_moe_block_under_ep2_and_tp2_matches_one_rank(tmp_path):
     """Dense first layer, sigmoid scores with the bias, node-limited routing,
-    shared experts, top-k scaling and the sequence-wise balance loss: EP2 and
-    TP2 x SP compute what one rank does."""
+    shared experts, top-k scaling and the sequence-wise balance loss: EP2,
+    TP2 x SP and TP2 x SP with whole experts spread over the tensor pair
+    (--expert-tensor-parallel-size 1, DeepSeek-V3's Megatron layout) compute
+    what one rank does."""
     one = run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path / "a"))[0]
     for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
-                         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
-        for losses in run_ranks(_train, world, DEEPSEEK_MOE + extra, str(tmp_path / extra[0])):
+                         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-tensor-parallel-size", "1",
+                              "--expert-model-parallel-size", "2"])):
+        for losses in run_ranks(_train, world, DEEPSEEK_MOE + extra,
+                                str(tmp_path / "_".join(extra[::2]))):
             assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one, strict=True)), (
                 extra, losses, one)
 

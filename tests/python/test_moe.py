@@ -61,11 +61,12 @@ def reference_moe(x, router_w, experts, cfg):
     return torch.stack(rows), aux, int((~keep).sum())
 
 
-def _ep_layer(rank, world, ep, cfg_kw, tp=1):
+def _ep_layer(rank, world, ep, cfg_kw, tp=1, etp=None):
     import megatronapp as mapp
     from megatronapp.moe import MoELayer, set_aux_loss_scale
 
-    state = mapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    state = mapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                           expert_tensor_parallel_size=etp)
     cfg = moe_cfg(**cfg_kw)
     torch.manual_seed(1234)  # router weights: the same draw on every rank
     layer = MoELayer(cfg, state, output_std=0.3, seed=77)
@@ -82,20 +83,26 @@ def _ep_layer(rank, world, ep, cfg_kw, tp=1):
                 router=layer.router.weight.detach().clone(),
                 grouter=layer.router.weight.grad.clone(), experts=experts,
                 aux=layer.last_aux_loss, dropped=layer.router.last_dropped,
-                tp_rank=state.tp_rank, dp_rank=state.dp_rank,
+                tp_rank=state.tp_rank, dp_rank=state.dp_rank, etp_rank=state.etp_rank,
+                edp_rank=state.edp_rank,
                 groups=(state.group_ranks["ep"], state.group_ranks["edp"]))
 
 
 def _check_against_reference(results, cfg_kw, tp=1):
+    """`tp`: the expert-tensor-parallel size (the shards an expert is split in)."""
     cfg = moe_cfg(**cfg_kw)
     router = results[0]["router"].double()
     # Full expert weights: tensor-parallel shards concatenated (fc1 rows, fc2 cols).
+    # With edp > 1 (experts replicated) each replica holds its tokens' share
+    # of the gradient until the data-parallel reduction: summed here.
     full = {}
-    for r in sorted(results, key=lambda r: r["tp_rank"]):
+    for r in sorted(results, key=lambda r: r["etp_rank"]):
         for e, (fc1, fc2, g1, g2) in r["experts"].items():
             a = full.setdefault(e, {"fc1": {}, "fc2": {}, "g1": {}, "g2": {}})
-            a["fc1"][r["tp_rank"]], a["fc2"][r["tp_rank"]] = fc1, fc2
-            a["g1"][r["tp_rank"]], a["g2"][r["tp_rank"]] = g1, g2
+            i = r["etp_rank"]
+            a["fc1"][i], a["fc2"][i] = fc1, fc2
+            a["g1"][i] = a["g1"].get(i, 0) + g1
+            a["g2"][i] = a["g2"].get(i, 0) + g2
     assert sorted(full) == list(range(cfg.num_experts))
     cat = {e: (torch.cat([v["fc1"][i] for i in range(tp)], 0).double().requires_grad_(),
                torch.cat([v["fc2"][i] for i in range(tp)], 1).double().requires_grad_())
@@ -145,6 +152,21 @@ def test_expert_and_tensor_parallel_with_capacity_matches_reference():
     assert results[0]["groups"] == ([0, 2], [0])  # ep over the data ranks of one tensor rank
     assert results[0]["dropped"] > 0  # capacity 1.0 with random routing drops some
     _check_against_reference(results, kw, tp=2)
+
+
+@pytest.mark.parametrize("world,tp,etp,ep", [(2, 2, 1, 2), (2, 2, 1, 1), (4, 4, 2, 2)],
+                         ids=["tp2-etp1-ep2", "tp2-etp1-ep1", "tp4-etp2-ep2"])
+def test_expert_tensor_parallel_smaller_than_tp_matches_reference(world, tp, etp, ep):
+    """--expert-tensor-parallel-size below tp: the tensor ranks split the
+    tokens between them and join the expert grid; the numbers stay the
+    reference's (one data rank: every tensor rank holds the same x)."""
+    kw = {}
+    results = run_ranks(_ep_layer, world, ep, kw, tp, etp)
+    if (tp, etp, ep) == (2, 1, 2):
+        assert results[0]["groups"] == ([0, 1], [0])  # the experts spread over the tensor pair
+    if (tp, etp, ep) == (2, 1, 1):
+        assert results[0]["groups"] == ([0], [0, 1])  # replicated, each half the tokens
+    _check_against_reference(results, kw, tp=etp)
 
 
 def test_capacity_infinity_equals_dropless_and_padding_changes_nothing():
@@ -319,6 +341,22 @@ def test_expert_parallel_gpt_matches_ep1_step_for_step(tmp_path, layout):
         assert abs(a - b) <= 10 * tol * max(1.0, abs(a)), (n1, n2)
 
 
+@pytest.mark.parametrize("sp,ep", [(True, 4), (False, 2)], ids=["sp-ep4", "ep2"])
+def test_expert_tensor_parallel_1_under_tp2_matches_etp_equal_tp(tmp_path, sp, ep):
+    """DeepSeek-V3's Megatron layout in small: attention split over tp 2, each
+    expert whole (--expert-tensor-parallel-size 1) with the tensor ranks in
+    the expert grid. Same losses and gradient norms as experts split over tp
+    (ZeRO-1: the norm sums every expert shard once)."""
+    flags = MOE + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                   "--train-iters", "3"] + (["--sequence-parallel"] if sp else [])
+    base, n0 = run_ranks(_train, 4, flags, str(tmp_path / "a"))[0]
+    etp1, n1 = run_ranks(_train, 4, flags + ["--expert-tensor-parallel-size", "1",
+                                             "--expert-model-parallel-size", str(ep)],
+                         str(tmp_path / "b"))[0]
+    for a, b in zip(base + n0, etp1 + n1, strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (base, etp1, n0, n1)
+
+
 def test_moe_checkpoint_resumes_and_reshards_across_ep(tmp_path):
     ck = str(tmp_path / "ck")
     base = MOE + ["--use-distributed-optimizer", "--save", ck]
@@ -335,6 +373,28 @@ def test_moe_checkpoint_resumes_and_reshards_across_ep(tmp_path):
             assert resumed == full[2:], (resumed, full)  # bit-identical
         else:
             assert abs(resumed[0] - full[2]) < 1e-6, (ep, resumed, full)
+
+
+def test_checkpoint_reshards_across_expert_tensor_parallel_sizes(tmp_path):
+    """Saved with whole experts spread over tp x dp (etp 1, ep 4, ZeRO-1
+    shards over no one): resumes bit-identically there, and into experts split
+    over the tensor pair (etp 2) or one tensor rank (tp 1)."""
+    ck = tmp_path / "ck"
+    base = MOE + ["--use-distributed-optimizer", "--sequence-parallel"]
+    etp1 = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+            "--expert-model-parallel-size", "4"]
+    full = run_ranks(_train, 4, base + etp1 + ["--train-iters", "4", "--save-interval", "2",
+                                               "--save", str(ck)], str(tmp_path / "o"))[0][0]
+    for name, layout in (("same", etp1), ("etp2", ["--tensor-model-parallel-size", "2",
+                                                  "--expert-model-parallel-size", "2"]),
+                         ("tp1", ["--expert-model-parallel-size", "2"])):
+        resumed = run_ranks(_train, 4, base + layout + ["--load", str(ck / "iter_0000002"),
+                                                        "--train-iters", "4"],
+                            str(tmp_path / name))[0][0]
+        if name == "same":
+            assert resumed == full[2:], (resumed, full)
+        else:
+            assert abs(resumed[0] - full[2]) < 1e-6, (name, resumed, full)
 
 
 def test_moe_gpt_learns_better_than_dense_with_the_same_active_parameters(tmp_path):
@@ -405,3 +465,20 @@ def test_detector_names_the_rank_whose_experts_are_overloaded(tmp_path):
     events = load_trace(os.path.join(trace_dir, "trace.rank1.json"))
     moe = [e for e in events if e.get("name") in ("moe_dispatch", "moe_combine")]
     assert moe and all("group" in e["args"] and "seq" in e["args"] for e in moe)
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "3"], 4,
+     "--expert-tensor-parallel-size 3 must divide --tensor-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+      "--expert-model-parallel-size", "3"], 4,
+     r"--expert-model-parallel-size 3 does not divide .*\(2/1\) x data-parallel size 2 = 4"),
+    (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+      "--seq-length", "31"], 2, "--seq-length 31 is not divisible by tensor / expert-tensor"),
+], ids=["etp-not-dividing-tp", "ep-not-dividing-grid", "sequence-slices"])
+def test_bad_expert_tensor_parallel_flags_name_the_fix(flags, world, message):
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        Config.from_args(build_parser().parse_args(GPT + MOE + flags)).check(world)

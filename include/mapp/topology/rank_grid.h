@@ -14,16 +14,21 @@
 //
 // Invariants: tp, cp, pp, dp >= 1 and tp*cp*pp*dp == world_size.
 //
-// Expert parallelism (Megatron-Core's layout, expert tensor parallelism =
-// tp): the ep ranks that shard the experts are carved out of the cp x dp
-// ranks of one (tp, pp) position. With i = dp * CP + cp (the order in which
-// those ranks appear in the world),
+// Expert parallelism (Megatron-Core's "tp-ep-dp" expert grid): the ranks of
+// one pipeline stage are regrouped for the experts as etp x ep x edp, expert
+// tensor parallelism (ETP, which divides TP) fastest. With the stage-local
+// index f = (dp * CP + cp) * TP + tp (the order in which the stage's ranks
+// appear in the world) and j = f / ETP:
 //
-//     ep_rank = i % EP,   edp_rank = i / EP   (expert-data-parallel)
+//     etp_rank = tp % ETP,   ep_rank = j % EP,   edp_rank = j / EP
 //
-// so expert-parallel peers are adjacent data-parallel ranks. Dense
-// parameters are replicated over the cp x dp ranks; an expert over its edp
-// ranks only. Invariant: ep divides cp * dp.
+// With ETP = TP (the default) j = dp * CP + cp: the expert-parallel peers are
+// adjacent data-parallel ranks with the same tensor rank. With ETP < TP the
+// TP / ETP tensor ranks that share an expert shard index (the *expert token
+// group*: each routes its own slice of the tokens) join the expert grid as
+// well. Dense parameters are replicated over the cp x dp ranks; an expert
+// shard over its edp ranks only. Invariants: ETP divides TP, EP divides
+// (TP / ETP) * CP * DP.
 #pragma once
 
 #include <array>
@@ -57,8 +62,10 @@ class RankGrid {
  public:
   // dp = 0 infers the data-parallel size as world / (tp*cp*pp). Throws
   // ValueError naming every factor when the sizes do not multiply to the world.
-  // ep: the expert-parallel size (ValueError unless it divides cp * dp).
-  RankGrid(int world_size, int tp, int pp, int dp = 0, int cp = 1, int ep = 1);
+  // ep: the expert-parallel size; etp: the expert-tensor-parallel size (0:
+  // equal to tp). ValueError unless etp divides tp and ep divides
+  // (tp / etp) * cp * dp.
+  RankGrid(int world_size, int tp, int pp, int dp = 0, int cp = 1, int ep = 1, int etp = 0);
 
   int world_size() const { return world_size_; }
   int size(Axis axis) const { return sizes_[static_cast<int>(axis)]; }
@@ -67,9 +74,12 @@ class RankGrid {
   int dp() const { return size(Axis::kData); }
   int pp() const { return size(Axis::kPipeline); }
   int ep() const { return ep_; }
-  int edp() const { return cp() * dp() / ep_; }  // expert-data-parallel size
+  int etp() const { return etp_; }
+  int edp() const { return tp() / etp_ * cp() * dp() / ep_; }  // expert-data-parallel size
 
-  // Expert-parallel and expert-data-parallel coordinates of a global rank.
+  // Expert-tensor, expert-parallel and expert-data-parallel coordinates of a
+  // global rank.
+  int etp_rank(int rank) const;
   int ep_rank(int rank) const;
   int edp_rank(int rank) const;
   // The ranks that shard the experts with `rank` (size ep), and those holding
@@ -79,6 +89,13 @@ class RankGrid {
   // Every expert (expert-data) group, ordered by smallest rank.
   std::vector<std::vector<int>> expert_groups() const;
   std::vector<std::vector<int>> expert_data_groups() const;
+  // The ranks holding the other shards of `rank`'s experts (size etp; the
+  // tensor group when etp == tp), and the tensor ranks routing the other
+  // slices of `rank`'s tokens (size tp / etp, same etp_rank).
+  std::vector<int> expert_tensor_group(int rank) const;
+  std::vector<int> expert_token_group(int rank) const;
+  std::vector<std::vector<int>> expert_tensor_groups() const;
+  std::vector<std::vector<int>> expert_token_groups() const;
 
   // Coordinates of a global rank, and back. Throw ValueError when out of range.
   Coord coord(int rank) const;
@@ -96,17 +113,21 @@ class RankGrid {
   // tied); a single rank when pp == 1.
   std::vector<int> embedding_group(int rank) const;
 
-  // "world 8 = tp 2 x cp 1 x dp 2 x pp 2" (+ " (ep 2 x edp 1)" when ep > 1).
+  // "world 8 = tp 2 x cp 1 x dp 2 x pp 2" (+ " (experts: etp 1 x ep 4 x edp 1)"
+  // when ep > 1 or etp != tp).
   std::string describe() const;
 
  private:
   int world_size_;
   std::array<int, kNumAxes> sizes_;  // indexed by Axis
   int ep_ = 1;
+  int etp_ = 1;
 
-  // Ranks of rank's (tp, pp) position whose flat cp x dp index i satisfies keep(i).
+  // The stage-local index f of a rank (see above).
+  int stage_index(int rank) const;
+  // Ranks of rank's pipeline stage whose stage-local index f satisfies keep(f).
   template <typename Keep>
-  std::vector<int> data_ranks(int rank, Keep&& keep) const;
+  std::vector<int> stage_ranks(int rank, Keep&& keep) const;
   // The groups `group_of(r)` of every rank, each once, ordered by smallest rank.
   std::vector<std::vector<int>> partition(const std::function<std::vector<int>(int)>& group_of) const;
 };

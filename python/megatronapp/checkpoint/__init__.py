@@ -46,7 +46,7 @@ from .. import _C, _collectives
 from ..data_parallel import DistributedDataParallel
 from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
-from ..tensor_parallel.utils import partition_view
+from ..tensor_parallel.utils import partition_view, split_over
 from .format import CheckpointError, fsync_dir, read, write
 from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
@@ -123,15 +123,15 @@ def _tp_slice(p, state):
     view, dim = partition_view(p)
     if dim is None:
         return None
-    n = view[dim]
-    return (dim, state.tp_rank * n, (state.tp_rank + 1) * n)
+    n, rank = view[dim], split_over(p, state)[1]
+    return (dim, rank * n, (rank + 1) * n)
 
 
 def _global_shape(p, state):
     sl = _tp_slice(p, state)
     shape = list(partition_view(p)[0])
     if sl is not None:
-        shape[sl[0]] *= state.tp_size
+        shape[sl[0]] *= split_over(p, state)[0]
     return shape
 
 
@@ -345,7 +345,7 @@ class _CommitJob:
                 "extra": extra or {},
                 "parallel": {"world": world, "tp": state.tp_size, "pp": state.pp_size,
                              "dp": state.dp_size, "ep": state.ep_size, "cp": state.cp_size,
-                             "vpp": self.nchunks},
+                             "etp": state.etp_size, "vpp": self.nchunks},
                 "pieces": pieces, "ddp": ddp}
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(meta, f)
@@ -524,6 +524,7 @@ def _restore_rank_state(path, meta, chunks, state) -> dict:
     same = (par.get("world") == dist.get_world_size() and par.get("tp") == state.tp_size
             and par.get("pp") == state.pp_size and par.get("dp") == state.dp_size
             and par.get("ep", 1) == state.ep_size and par.get("cp", 1) == state.cp_size
+            and par.get("etp", par.get("tp")) == state.etp_size
             and par.get("vpp") == len(chunks))
     rank = dist.get_rank()
     if same:

@@ -7,6 +7,18 @@ are the ranks with the same tensor rank (``ParallelState.expert_group``),
 and the experts' tensor-parallel partial sums are reduced once, after the
 combine (all-reduce, or reduce-scatter back to the sequence shard).
 
+Expert tensor parallelism smaller than tp (``--expert-tensor-parallel-size``
+etp, Megatron-Core's expert grid): the tp / etp groups of etp tensor ranks
+each dispatch one contiguous slice of the sequence (the union of their
+sequence-parallel shards), the experts' weights are split over etp ranks
+only, and the other tensor ranks join the expert-parallel grid. The router
+still scores every token on every tensor rank (a [T, h] x [h, E] product),
+so its losses, its expert-bias load and its gradients are those of one rank;
+the routing weights of the slice are taken with a split whose backward
+gathers their gradients over the token group. After the combine the slice is
+reduced over the etp ranks and the slices are gathered (or, under sequence
+parallelism, reduce-scattered straight back to each rank's shard).
+
 The router's auxiliary losses reach the router through backward without
 being added to the language-model loss: :class:`AuxLoss` passes the
 activations through unchanged and hands the aux loss a gradient of the
@@ -93,9 +105,11 @@ class MoELayer(nn.Module):
             topk_scaling_factor=getattr(cfg, "moe_router_topk_scaling_factor", None),
             num_groups=getattr(cfg, "moe_router_num_groups", None),
             group_topk=getattr(cfg, "moe_router_group_topk", None))
+        #: tp / etp: the token slices the tensor group's experts see
+        self.token_slices = state.tp_size // state.etp_size
         self.experts = GroupedMLP(
             cfg.hidden_size, cfg.moe_ffn_hidden_size, state.ep_rank * self.num_local,
-            self.num_local, tp_size=state.tp_size, tp_rank=state.tp_rank, seed=seed,
+            self.num_local, tp_size=state.etp_size, tp_rank=state.etp_rank, seed=seed,
             init_std=cfg.init_method_std, output_std=output_std,
             swiglu=getattr(cfg, "swiglu", False))
         self.shared_experts = None
@@ -125,7 +139,16 @@ class MoELayer(nn.Module):
         s, b, h = expert_in.shape
         tokens = expert_in.reshape(s * b, h)
         probs, idx, aux = self.router(route_in.reshape(s * b, h), seq_shape=(s, b))
-        cap = self.router.capacity(s * b)
+        n = self.token_slices
+        if n > 1:  # this rank's experts see slice g of the tokens
+            if s % n:
+                raise ValueError(f"the sequence ({s} positions on this tensor rank) is not "
+                                 f"divisible by tp / expert-tensor-parallel size = {n}")
+            rows, g = s * b // n, self.state.expert_token_index
+            tokens, idx = tokens[g * rows:(g + 1) * rows], idx[g * rows:(g + 1) * rows]
+            probs = mappings.scatter_to_sequence_parallel_region(
+                probs, self.state.expert_token_group)
+        cap = self.router.capacity(tokens.shape[0])
         recv, tpe, plan = dispatch(
             tokens, idx, self.num_experts, capacity=cap,
             pad=bool(self.cfg.moe_pad_expert_input_to_capacity),
@@ -135,14 +158,26 @@ class MoELayer(nn.Module):
         # stage's ranks, so a rank slowed by overloaded experts is named as such.
         with _trace.scope("moe_experts", "compute", lane=0):
             y = self.experts(recv, self.last_tokens_per_expert)
-        # The experts' outputs are partial sums over the tensor group, so is
-        # the gradient of the routing weights: summed over it in backward.
-        probs = mappings.copy_to_tensor_model_parallel_region(probs.to(y.dtype), tp_group)
-        out = combine(y, probs, plan, group=self.group).view(s, b, h)
-        if self.sequence_parallel:
-            out = mappings.reduce_scatter_to_sequence_parallel_region(out, tp_group)
+        # The experts' outputs are partial sums over the expert-tensor group,
+        # so is the gradient of the routing weights: summed over it in backward.
+        etp_group = self.state.expert_tensor_group
+        probs = probs.to(y.dtype)
+        if etp_group is not None:
+            probs = mappings.copy_to_tensor_model_parallel_region(probs, etp_group)
+        out = combine(y, probs, plan, group=self.group).view(s // n, b, h)
+        if n == 1:
+            if self.sequence_parallel:
+                out = mappings.reduce_scatter_to_sequence_parallel_region(out, tp_group)
+            else:
+                out = mappings.reduce_from_tensor_model_parallel_region(out, tp_group)
+        elif self.sequence_parallel:  # slice g = the etp group's sequence shards
+            if etp_group is not None:
+                out = mappings.reduce_scatter_to_sequence_parallel_region(out, etp_group)
         else:
-            out = mappings.reduce_from_tensor_model_parallel_region(out, tp_group)
+            if etp_group is not None:
+                out = mappings.reduce_from_tensor_model_parallel_region(out, etp_group)
+            out = mappings.gather_from_sequence_parallel_region(
+                out, False, self.state.expert_token_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         self.last_aux_loss = aux.detach()  # a tensor: no host synchronization per layer

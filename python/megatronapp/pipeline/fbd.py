@@ -307,10 +307,11 @@ def fbd_parallel_state(state: ParallelState, forward: int, backward: int,
                        backend=None) -> FBDParallelState:
     """Collective: the role groups of an F:B split of `state`'s data-parallel
     ranks, and this rank's :class:`FBDParallelState`."""
-    if state.cp_size > 1 or state.ep_size > 1:
+    if state.cp_size > 1 or state.ep_size > 1 or state.etp_size != state.tp_size:
         raise ValueError("forward/backward disaggregation does not run with context or expert "
                          "parallelism yet; drop --context-parallel-size / "
-                         "--expert-model-parallel-size or --forward-backward-disaggregating")
+                         "--expert-model-parallel-size / --expert-tensor-parallel-size or "
+                         "--forward-backward-disaggregating")
     layout = FBDLayout(state.dp_size, forward, backward)
     rank = state.rank
     role, index, group = layout.role(state.grid.coord(rank).dp)

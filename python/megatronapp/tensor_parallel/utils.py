@@ -49,6 +49,15 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
+def split_over(param: torch.Tensor, state: ParallelState) -> tuple[int, int]:
+    """(size, rank) of the group a sharded `param` is split over: the
+    expert-tensor group for an MoE expert's weights (``expert_parallel``;
+    ``--expert-tensor-parallel-size``), the tensor group otherwise."""
+    if getattr(param, "expert_parallel", False):
+        return state.etp_size, state.etp_rank
+    return state.tp_size, state.tp_rank
+
+
 def partition_view(param: torch.Tensor) -> tuple[tuple, int | None]:
     """(local shape to view `param` in, dim split over the tensor group in
     that view; None when replicated). Plain sharded parameters: their own
@@ -111,9 +120,10 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, state: ParallelSt
     if not is_tensor_parallel(param):
         return full
     view, dim = partition_view(param)
+    size, rank = split_over(param, state)
     gview = list(view)
-    gview[dim] *= state.tp_size
-    return full.reshape(gview).chunk(state.tp_size, dim=dim)[state.tp_rank].reshape(param.shape)
+    gview[dim] *= size
+    return full.reshape(gview).chunk(size, dim=dim)[rank].reshape(param.shape)
 
 
 @torch.no_grad()
@@ -131,7 +141,8 @@ def load_full_state_dict(
         if src.shape != p.shape:
             raise ValueError(
                 f"{name}: full tensor {tuple(full[name].shape)} slices to "
-                f"{tuple(src.shape)} on tp rank {state.tp_rank}, parameter is {tuple(p.shape)}"
+                f"{tuple(src.shape)} on shard {split_over(p, state)[1]}, parameter is "
+                f"{tuple(p.shape)}"
             )
         p.copy_(src)
 
@@ -140,14 +151,16 @@ def load_full_state_dict(
 def gather_full_state_dict(
     module: torch.nn.Module, parallel_state: ParallelState | None = None
 ) -> dict:
-    """The unsharded parameters of a sharded module (collective over the tensor group)."""
+    """The unsharded parameters of a sharded module (collective over the tensor
+    group; an expert's weights over the expert-tensor group)."""
     state = resolve_state(parallel_state)
     out = {}
     for name, p in module.named_parameters():
-        if is_tensor_parallel(p):
+        group = state.expert_tensor_group if getattr(p, "expert_parallel", False) \
+            else state.tensor_group
+        if is_tensor_parallel(p) and group is not None:
             view, dim = partition_view(p)
-            full = _collectives.all_gather(p.detach().reshape(view).contiguous(), dim,
-                                           state.tensor_group)
+            full = _collectives.all_gather(p.detach().reshape(view).contiguous(), dim, group)
             out[name] = full.reshape(-1, *p.shape[1:]).clone()
         else:
             out[name] = p.detach().clone()

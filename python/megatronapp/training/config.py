@@ -259,7 +259,12 @@ class MoEConfig:
     num_experts: int | None = _flag(None, "mixture of experts: experts per MoE layer "
                                     "(default: dense MLPs)")
     expert_model_parallel_size: int = _flag(1, "ranks the experts are sharded over (ep), "
-                                            "carved out of the data-parallel ranks")
+                                            "carved out of the data-parallel ranks (and the "
+                                            "tensor ranks beyond --expert-tensor-parallel-size)")
+    expert_tensor_parallel_size: int | None = _flag(
+        None, "ranks each expert's weights are split over (default: the tensor-parallel size; "
+        "must divide it). DeepSeek-V3 in Megatron: 1, the tensor ranks then route their own "
+        "slices of the tokens and join the expert grid", metavar="ETP")
     moe_layer_freq: str = _flag("1", "N: every N-th layer is MoE; or a 0/1 list per layer, "
                                 "e.g. [0,1,0,1]", metavar="N|LIST")
     moe_ffn_hidden_size: int | None = _flag(None, "expert MLP hidden size (default "
@@ -772,18 +777,30 @@ class Config:
             if ep > 1:
                 raise ConfigError("--expert-model-parallel-size needs --num-experts")
             return
-        if dp % ep:
-            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the "
-                              f"data-parallel size {dp}: experts are sharded over data-parallel "
-                              "ranks")
+        tp = self.parallel.tensor_model_parallel_size
+        etp = moe.expert_tensor_parallel_size or tp
+        if moe.expert_tensor_parallel_size is not None and (etp < 1 or tp % etp):
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide "
+                              f"--tensor-model-parallel-size {tp} (an expert's shards stay "
+                              "within one tensor group)")
+        if (tp // etp * dp) % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide "
+                              f"tensor / expert-tensor size ({tp}/{etp}) x data-parallel size "
+                              f"{dp} = {tp // etp * dp}: experts are sharded over data-parallel "
+                              "ranks (and the tensor ranks beyond the expert-tensor size)")
         if moe.num_experts % ep:
             raise ConfigError(f"--num-experts {moe.num_experts} is not divisible by "
                               f"--expert-model-parallel-size {ep}")
         ffn = moe.moe_ffn_hidden_size or self.model.ffn_hidden_size or 4 * self.model.hidden_size
-        if ffn % self.parallel.tensor_model_parallel_size:
-            raise ConfigError(f"the expert hidden size {ffn} is not divisible by "
-                              f"--tensor-model-parallel-size "
-                              f"{self.parallel.tensor_model_parallel_size}")
+        if ffn % etp:
+            raise ConfigError(f"the expert hidden size {ffn} is not divisible by the "
+                              f"expert-tensor-parallel size {etp} "
+                              "(--expert-tensor-parallel-size, default the tensor-parallel "
+                              "size)")
+        if etp != tp and self.model.seq_length % (tp // etp):
+            raise ConfigError(f"--seq-length {self.model.seq_length} is not divisible by "
+                              f"tensor / expert-tensor size {tp // etp}: each of those tensor "
+                              "ranks routes one slice of the sequence")
         if moe.moe_dispatch_compression not in ("none", "bf16", "fp16") and \
                 not moe.moe_dispatch_compression.startswith("int8"):
             raise ConfigError(f"--moe-dispatch-compression {moe.moe_dispatch_compression!r}: "

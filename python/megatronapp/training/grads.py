@@ -93,7 +93,7 @@ def finish_gradients(model, optimizer, parallel_state: ParallelState | None = No
     if isinstance(optimizer, MixedPrecisionOptimizer):  # ZeRO shards: summed over dp too
         return optimizer.clip_grad_norm_(max_norm)
     return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group],
-                                     expert_group=state.expert_group)
+                                     expert_groups=state.expert_norm_groups())
 
 
 @torch.no_grad()
@@ -104,4 +104,4 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     state = resolve_state(parallel_state)
     pairs = [(p, p.grad) for p in parameters if p.grad is not None]
     return gradients.clip_grad_norm_(pairs, max_norm, state, [state.model_group],
-                                     expert_group=state.expert_group)
+                                     expert_groups=state.expert_norm_groups())

@@ -307,7 +307,8 @@ def build_parallel_state(config: Config, *, install: bool = False) -> ParallelSt
                 pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
                 expert_model_parallel_size=config.moe.expert_model_parallel_size,
-                context_parallel_size=par.context_parallel_size)
+                context_parallel_size=par.context_parallel_size,
+                expert_tensor_parallel_size=config.moe.expert_tensor_parallel_size)
 
 
 def gpt_config(config: Config, state: ParallelState, tokenizer_vocab: int) -> GPTConfig:
