@@ -11,7 +11,9 @@
 # scale model's reproduction of the report's cost (tests/python/test_scale_model.py
 # parses this file). zb-v would be the closer schedule, but our planner loses
 # to ZB-H1 at 16 stages once a pipeline message costs 5% of a chunk's forward
-# (docs/pipeline.md). Not yet here: FP8, an expert tensor-parallel size of its own.
+# (docs/pipeline.md). Megatron-LM's own DeepSeek-V3 recipe splits attention over
+# TP 2 and keeps experts whole: add --tensor-model-parallel-size 2
+# --expert-tensor-parallel-size 1 (docs/moe.md). Not yet here: FP8.
 source "$(dirname "$0")/../llama/common.sh"
 MODEL=(--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
        --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
