@@ -1,7 +1,8 @@
 """The memory planner against the pool's measured peak allocated bytes, on
 every rank of a matrix of layouts (TP, SP, 1F1B / zero-bubble / interleaved /
 dynamic, DDP / ZeRO-1, int8 codec, bf16, selective / full recomputation,
-context parallelism p2p / a2a, the Llama block): within 10%. Then
+context parallelism p2p / a2a, the Llama block, multi-latent attention with multi-token prediction):
+within 10%. Then
 --recompute-granularity auto and --memory-limit-gb, and the command line."""
 
 import json
@@ -21,7 +22,14 @@ DROP = ["--attention-backend", "local", "--attention-dropout", "0.1", "--hidden-
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--ffn-hidden-size", "256"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "64", "--kv-lora-rank", "32",
+       "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "48",
+       "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+       "--disable-bias-linear", "--ffn-hidden-size", "256"]
 MATRIX = {
+    "mla-mtp-tp2-pp2-sp-1f1b": MLA + TP2 + PP2 + ["--sequence-parallel", "--mtp-num-layers",
+                                                  "2", "--untie-embeddings-and-output-weights"],
+    "mla-tp2-dp2-bf16-zero1": MLA + TP2 + ["--bf16", "--use-distributed-optimizer"],
     "llama-tp2-pp2-sp-1f1b": LLAMA + TP2 + PP2 + ["--sequence-parallel"],
     "llama-tp2-dp2-bf16-zero1": LLAMA + TP2 + ["--bf16", "--use-distributed-optimizer"],
     "tp2-dp2": TP2,

@@ -148,11 +148,30 @@ class _Shape:
     learned_pos: bool = True  #: a position table (not with rope / none)
     rope: bool = False
     qk_norm: bool = False
+    # ---- multi-latent attention (--multi-latent-attention; 0: off) ----
+    rq: int = 0  #: --q-lora-rank (0: a plain query projection)
+    rkv: int = 0  #: --kv-lora-rank
+    dq: int = 0  #: --qk-head-dim
+    dr: int = 0  #: --qk-pos-emb-head-dim (the decoupled rotary key/query channels)
+    dv: int = 0  #: --v-head-dim
+    mtp: int = 0  #: --mtp-num-layers: extra layers, logits and losses on the last stage
+
+    @property
+    def mla(self) -> bool:
+        return self.rkv > 0
 
     @property
     def qkv(self) -> int:
-        """Output features of the fused QKV projection: (a + 2 g) d."""
+        """Output features of the fused QKV projection: (a + 2 g) d; under MLA
+        the query and the key/value up projections' together."""
+        if self.mla:
+            return self.a * (2 * self.dq + self.dr + self.dv)
         return (self.a + 2 * self.g) * self.d
+
+    @property
+    def dv_(self) -> int:
+        """Value channels per head (the output projection's input per head)."""
+        return self.dv if self.mla else self.d
 
 
 def _flags(config) -> dict:
@@ -200,6 +219,10 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
                  learned_pos=f.get("position_embedding_type", "learned_absolute")
                  == "learned_absolute", rope=f.get("position_embedding_type") == "rope",
                  qk_norm=bool(f.get("qk_layernorm")))
+    block["mtp"] = f.get("mtp_num_layers") or 0
+    if f.get("multi_latent_attention"):
+        block.update(rq=f.get("q_lora_rank") or 0, rkv=f["kv_lora_rank"], dq=f["qk_head_dim"],
+                     dr=f["qk_pos_emb_head_dim"], dv=f["v_head_dim"])
     return _Shape(**block,
         tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, microbatches=f["global_batch_size"] // (b * dp),
         b=b, s=f["seq_length"] // cp, seq=f["seq_length"], h=h, a=f["num_attention_heads"],
@@ -233,11 +256,16 @@ def _layer_params(x: _Shape) -> tuple[int, int]:
     norm = h if x.rms else 2 * h
     qkv = x.qkv * h + (x.qkv if x.qkv_bias else 0)
     fc1 = x.gate * f * h + (x.gate * f if x.bias else 0)
-    if x.g % t == 0:
+    if x.mla:  # up projections column-parallel; down projections and latent norms whole
+        per = 1 if x.rms else 2
+        q_in = x.rq or h
+        sharded = (q_in * x.a * (x.dq + x.dr) + x.rkv * x.a * (x.dq + x.dv)) // t
+        replicated = h * (x.rkv + x.dr) + per * x.rkv + (h * x.rq + per * x.rq if x.rq else 0)
+    elif x.g % t == 0:
         sharded, replicated = qkv // t, 0
     else:  # query groups replicated over the tensor ranks: the whole QKV on each
         sharded, replicated = 0, qkv
-    sharded += (x.a * d * h) // t + fc1 // t + h * f // t
+    sharded += (x.a * x.dv_ * h) // t + fc1 // t + h * f // t
     replicated += 2 * norm + (2 * h if x.bias else 0)  # two norms, the row-parallel biases
     if x.qk_norm:
         replicated += 2 * (d if x.rms else 2 * d)
@@ -256,9 +284,12 @@ def _chunk_params(x: _Shape, vs: int) -> list[tuple[int, bool]]:
     if first and x.learned_pos:
         groups.append((x.seq * x.h, False))  # positions
     if last:
-        groups.append(((1 if x.rms else 2) * x.h, False))  # final norm
+        norm = (1 if x.rms else 2) * x.h
+        groups.append((norm, False))  # final norm
         if not x.tied:
             groups.append((x.vocab // x.tp * x.h, True))
+        if x.mtp:  # per depth: a layer, the 2h -> h projection (whole), three norms
+            groups += [(sh * x.mtp, True), ((rep + 2 * x.h * x.h + 3 * norm) * x.mtp, False)]
     return groups
 
 
@@ -285,7 +316,22 @@ def _layer_saved(x: _Shape, selective: bool) -> tuple[int, int]:
     qkv = 3 * s * b * heads * x.d * e
     if x.g == x.a and (x.qk_norm or x.rope):  # new q and k; v keeps the QKV output alive
         qkv += 2 * s * b * heads * x.d * e
-    ctx = s * b * heads * x.d * e  # the projection's input
+    if x.mla:
+        # q and k are concatenations [nope, rotated pe] and v a contiguous copy;
+        # the latents: the down projection's output (the norm's input is a view
+        # of it), the norm's statistics (and its normalized output and fp32
+        # copy, as the block's RMSNorm) and its output (the up projection's
+        # input; the sequence shard under sequence parallelism)
+        qkv = s * b * heads * (2 * (x.dq + x.dr) + x.dv) * e
+
+        def latent(r, whole):
+            kept = sl * b * (whole + r) * e + sl * b * 4
+            if x.rms:
+                kept += sl * b * r * e + (sl * b * r * 4 if e != 4 else 0)
+            return kept
+
+        qkv += latent(x.rkv, x.rkv + x.dr) + (latent(x.rq, x.rq) if x.rq else 0)
+    ctx = s * b * heads * x.dv_ * e  # the projection's input
     # fc1 output (the activation's input; gate and up with SwiGLU), its output
     # (fc2's input); SwiGLU also keeps silu(gate)
     mlp = (x.gate + 1 + (x.gate - 1)) * s * b * f // t * e
@@ -295,13 +341,13 @@ def _layer_saved(x: _Shape, selective: bool) -> tuple[int, int]:
             probs = b * heads * s * s * e
             core = probs * (2 if x.attention_dropout > 0 else 1)
         else:
-            core = s * b * heads * x.d * e + b * heads * s * 4  # SDPA's output and log-sum-exp
+            core = s * b * heads * x.dv_ * e + b * heads * s * 4  # SDPA's output and log-sum-exp
     saved = ln + lin_in + qkv + ctx + mlp + core
     # W keeps each linear's input and the gradient of its output.
     # (The row-parallel layers' output gradient is the whole [s, b, h]: under
     # sequence parallelism it is gathered before their backward.)
     w_residual = (s * b * h * e + s * b * x.qkv // t * e) \
-        + (s * b * heads * x.d * e + s * b * h * e) \
+        + (s * b * heads * x.dv_ * e + s * b * h * e) \
         + (s * b * h * e + s * b * x.gate * f // t * e) + (s * b * f // t * e + s * b * h * e)
     return saved, w_residual
 
@@ -348,9 +394,18 @@ def _chunk_activations(x: _Shape, vs: int) -> dict:
         # backward, within the attention working set counted above.
     if last:
         logits = s * b * x.vocab // t * 4  # fp32 logits kept by the cross-entropy
-        stored += sl * b * h * e + s * b * h * e + logits + (logits // 2 if x.act == 2 else 0)
+        head = sl * b * h * e + s * b * h * e + logits + (logits // 2 if x.act == 2 else 0)
+        stored += head
         # The output layer's W keeps its input and the logits' gradient.
         w_total += s * b * h * e + s * b * x.vocab // t * e
+        if x.mtp:
+            # per depth: its layer, the two norms' inputs and statistics, the
+            # projection's input [2h], and the same head (final norm, logits)
+            norms = 2 * sl * b * h * e + 2 * sl * b * 4
+            if x.rms:
+                norms += 2 * sl * b * h * e + (2 * sl * b * h * 4 if e != 4 else 0)
+            stored += x.mtp * (full + norms + 2 * sl * b * h * e + head)
+            w_total += x.mtp * (w_res + s * b * h * e + s * b * x.vocab // t * e)
         # cross-entropy backward: the shifted logits, softmax, one-hot, their difference
         ws = max(ws, 4 * logits + s * b * h * e)
     else:
