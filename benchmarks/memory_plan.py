@@ -32,7 +32,10 @@ def main() -> None:
     print("| layout | stage | planned MiB | measured MiB | planned / measured | "
           "of which activations (planned) |")
     print("|---|---|---|---|---|---|")
+    only = sys.argv[1:]  # layout names: just those rows
     for name, flags in MATRIX.items():
+        if only and name not in only:
+            continue
         ranks = run_ranks(_measure, 4, MODEL + flags + ["--data-path", corpus, "--output-dir", tmp],
                           timeout=600)
         seen = set()

@@ -171,3 +171,7 @@ def test_command_line_and_closed_forms(corpus):
                           "--recompute-granularity", "auto"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert bad.returncode != 0 and "needs --memory-limit-gb" in bad.stderr
+    from megatronapp.memory import estimate
+
+    with pytest.raises(ValueError, match="does not model MoE layers yet"):
+        estimate({"num_experts": 8}, 4)  # refused, not silently without the experts

@@ -274,7 +274,7 @@ def apply_memory_limit(config: Config, world: int, verbose: bool = False) -> Non
                   f"{bd.total / 2**30:.3f} GiB per rank (stage {bd.stage}) of "
                   f"{config.memory.memory_limit_gb} GiB", flush=True)
         bd = estimate(config, world, vocab_size=data_vocab_size(config))
-    except MemoryLimitError as e:
+    except (MemoryLimitError, ValueError) as e:  # does not fit, or not modelled
         raise SystemExit(f"--memory-limit-gb {config.memory.memory_limit_gb}: {e}") from None
     par = config.parallel
     if (par.pipeline_schedule == "dynamic" and par.pipeline_memory_limit is None
