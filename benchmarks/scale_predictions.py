@@ -115,7 +115,8 @@ def main():
     h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
     ds = sm.DEEPSEEK_V3_2048
     out.append(f"Inputs: `scale_model.DEEPSEEK_V3_2048` and `H800_DEEPSEEK` (the report's model, "
-               f"{ds.parameters() / 1e9:.0f}B parameters, {ds.forward_flops_per_token() / 1e9:.1f} "
+               f"{ds.parameters() / 1e9:.0f}B parameters with its MTP depth's "
+               f"{ds.mtp_parameters() / 1e9:.1f}B, {ds.forward_flops_per_token() / 1e9:.1f} "
                f"GFLOP per token forward; PP16 x EP64 x DP128, batch 15,360 x 4,096, FP8 GEMMs at "
                f"2x the bf16 rate, FP8 dispatch + BF16 combine, 3.5 node crossings per token and "
                f"layer, all-to-all hidden behind the layer's compute (DualPipe), stages balanced, "
@@ -129,7 +130,9 @@ def main():
                       ("bf16 GEMMs instead of FP8", {"fp8": False}),
                       ("1F1B instead of a zero-bubble schedule", {"schedule": "1f1b"}),
                       ("busiest GPU 1.2x the mean expert load", {"expert_imbalance": 1.2}),
-                      ("output layer on the last stage (unbalanced)", {"balance_stages": False})):
+                      ("output layer and MTP on the last stage (unbalanced)",
+                       {"balance_stages": False}),
+                      ("without the MTP depth", {"mtp_layers": 0})):
         job = dc.replace(ds, **kw)
         r = sm.predict(job, h800)
         gh = sm.gpu_hours_per_trillion_tokens(job, h800)

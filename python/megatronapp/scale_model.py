@@ -101,6 +101,10 @@ class Job:
     moe_dense_layers: int = 0  #: the first N layers keep a dense MLP (DeepSeek-V3: 3)
     ep: int = 1  #: expert-parallel size, carved out of dp (and tp / etp)
     etp: int | None = None  #: expert-tensor-parallel size (default tp; divides it)
+    #: multi-token prediction depths (DeepSeek-V3: 1): each a layer (MoE when
+    #: the model's last is), a 2h -> h projection and another pass of the
+    #: shared output head, on the last pipeline stage
+    mtp_layers: int = 0
     gated_mlp: bool = False  #: SwiGLU: three matrices per MLP instead of two
     attention_params: int | None = None  #: weights of one attention block (default 4 h^2)
     qk_head_dim: int | None = None  #: core attention head dims (default hidden / heads)
@@ -138,7 +142,7 @@ class Job:
     def per_token_terms(self) -> bool:
         """Whether the per-token layer terms replace the dense closed forms."""
         return bool(self.num_experts or self.gated_mlp or self.attention_params
-                    or self.qk_head_dim or self.v_head_dim)
+                    or self.qk_head_dim or self.v_head_dim or self.mtp_layers)
 
     def layer_terms(self) -> dict:
         """Forward FLOPs per token of one layer's parts, and parameter counts."""
@@ -163,21 +167,39 @@ class Job:
             return n * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + self.seq_length * h
         return self.dense_parameters() + self.expert_parameters()
 
+    @property
+    def _mtp_moe(self) -> int:
+        """MTP layers that are MoE layers (those of a model whose last layer is)."""
+        return self.mtp_layers if self.moe_layers else 0
+
     def expert_parameters(self) -> float:
         """Routed experts' weights (sharded over ep, reduced over dp / ep)."""
-        return self.moe_layers * (self.num_experts or 0) * self.layer_terms()["expert_params"]
+        return ((self.moe_layers + self._mtp_moe) * (self.num_experts or 0)
+                * self.layer_terms()["expert_params"])
 
     def dense_parameters(self) -> float:
-        t, h, n = self.layer_terms(), self.hidden_size, self.num_layers
-        dense = n - self.moe_layers
-        per = (n * t["attn_params"] + dense * t["dense_mlp_params"]
-               + self.moe_layers * (t["shared_params"] + t["router_params"]))
-        return per + self.vocab_size * h + self.seq_length * h
+        t, h, n = self.layer_terms(), self.hidden_size, self.num_layers + self.mtp_layers
+        moe = self.moe_layers + self._mtp_moe
+        per = (n * t["attn_params"] + (n - moe) * t["dense_mlp_params"]
+               + moe * (t["shared_params"] + t["router_params"]))
+        return per + self.vocab_size * h + self.seq_length * h + self.mtp_layers * 2 * h * h
+
+    def mtp_parameters(self) -> float:
+        """The MTP depths' own weights (embedding and output head shared)."""
+        if not self.mtp_layers:
+            return 0.0
+        return self.parameters() - dataclasses.replace(self, mtp_layers=0).parameters()
 
     def forward_flops_per_token(self) -> float:
         t, n = self.layer_terms(), self.num_layers
         mlp = (n - self.moe_layers) * t["dense_mlp"] + self.moe_layers * t["moe_mlp"]
-        return n * (t["attn_w"] + t["core"]) + mlp + 2 * self.vocab_size * self.hidden_size
+        head = 2 * self.vocab_size * self.hidden_size
+        mtp = 0.0
+        if self.mtp_layers:  # layer + projection + head, per depth
+            mtp_mlp = t["moe_mlp"] if self._mtp_moe else t["dense_mlp"]
+            mtp = self.mtp_layers * (t["attn_w"] + t["core"] + mtp_mlp
+                                     + 4 * self.hidden_size ** 2 + head)
+        return n * (t["attn_w"] + t["core"]) + mlp + head + mtp
 
     @property
     def recompute_granularity(self) -> str | None:
@@ -275,9 +297,14 @@ def stage_times(job: Job, hw: Hardware) -> dict:
     cross_node = t * job.cp * job.dp >= hw.gpus_per_node
     bw, lat = ((hw.inter_bandwidth, hw.inter_latency) if cross_node
                else (hw.intra_bus_bandwidth, hw.intra_latency))
+    # MTP: per depth one more (average) layer and another pass of the head,
+    # after the main model on the last stage
+    mtp = job.mtp_layers
     return {"forward": layers_per_chunk * fwd_layer, "backward_input": layers_per_chunk * bi_layer,
             "backward_weight": layers_per_chunk * w_layer, "p2p": lat + msg / bw,
-            "head": {"forward": head_f, "backward_input": head_f, "backward_weight": head_f}}
+            "head": {"forward": (1 + mtp) * head_f + mtp * fwd_layer,
+                     "backward_input": (1 + mtp) * head_f + mtp * bi_layer,
+                     "backward_weight": (1 + mtp) * head_f + mtp * w_layer}}
 
 
 def _context_parallel_exposed(job: Job, hw: Hardware, tokens: float, attn_s: float):
@@ -496,7 +523,7 @@ DEEPSEEK_V3_2048 = Job(num_layers=61, hidden_size=7168, num_attention_heads=128,
                        recompute=None, overlap_dp=True, num_experts=256, moe_topk=8,
                        moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_dense_layers=3,
                        ep=64, gated_mlp=True, attention_params=_MLA_PARAMS, qk_head_dim=192,
-                       v_head_dim=128, fp8=True, a2a_bytes=1.0 + 2.0,
+                       v_head_dim=128, fp8=True, a2a_bytes=1.0 + 2.0, mtp_layers=1,
                        a2a_node_copies=4 * 7 / 8, a2a_overlap=1.0, balance_stages=True)
 
 
@@ -597,7 +624,8 @@ def job_from_flags(argv: list, world_size: int, **fields) -> Job:
                global_batch_size=o.global_batch_size, micro_batch_size=o.micro_batch_size,
                ffn_hidden_size=m.ffn_hidden_size, vpp=v, schedule=par.pipeline_schedule,
                recompute=cfg.recompute.granularity(), sequence_parallel=par.sequence_parallel,
-               gated_mlp=m.swiglu, cp_comm_type=par.cp_comm_type, **attn, **experts)
+               gated_mlp=m.swiglu, cp_comm_type=par.cp_comm_type,
+               mtp_layers=m.mtp_num_layers or 0, **attn, **experts)
     job.update(fields)
     return Job(**job)
 

@@ -132,7 +132,10 @@ def test_moe_terms_reduce_to_the_dense_closed_forms_and_count_deepseek_v3():
     # (the generic parameter count leaves out biases and LayerNorms: 1e-5 of the DP time)
     assert abs(a["iteration_s"] / b["iteration_s"] - 1) < 1e-5
     ds = sm.DEEPSEEK_V3_2048
-    assert abs(ds.parameters() / 671e9 - 1) < 0.01  # the report's 671B (main model)
+    # the report's 671B main model, plus its MTP depth: 14B in the released
+    # weights, which hold their own copies of the embedding and head (2 x 0.93B)
+    assert abs((ds.parameters() - ds.mtp_parameters()) / 671e9 - 1) < 0.01
+    assert 11e9 < ds.mtp_parameters() < 13e9
     # 37B activated per token: 2 x 37B FLOPs per token for the weights, +/- attention
     assert 70e9 < ds.forward_flops_per_token() < 100e9
 
@@ -243,7 +246,8 @@ def test_deepseek_v3_from_its_real_flags_reproduces_its_training_cost():
         ds.attention_params, ds.qk_head_dim, ds.v_head_dim)
     assert (job.num_experts, job.moe_topk, job.moe_dense_layers, job.moe_shared_experts,
             job.ep, job.pp, job.dp, job.tp) == (256, 8, 3, 1, 64, 16, 128, 1)
-    assert abs(job.parameters() / 671e9 - 1) < 0.01
+    assert abs((job.parameters() - job.mtp_parameters()) / 671e9 - 1) < 0.01
+    assert job.mtp_layers == 1
     hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
     h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)
     got = sm.gpu_hours_per_trillion_tokens(job, h800)  # ZB-H1 standing in for DualPipe
