@@ -66,7 +66,7 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-def _measure(rank, world, flags, iters=3):
+def _measure(rank, world, flags, iters=2):
     from megatronapp import memory
 
     memory.use_pool("cpu")
