@@ -83,8 +83,9 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def _our_logits(rank, world, ckpt, tp, pp, ep):
-    """Our model at (tp, pp, ep) loaded from `ckpt`; the full logits on rank 0."""
+def _our_logits(rank, world, ckpt, tp, pp, ep, etp=None):
+    """Our model at (tp, pp, ep, etp) loaded from `ckpt`; the full logits on
+    the last rank."""
     import torch.distributed as dist
 
     import megatronapp
@@ -92,7 +93,8 @@ def _our_logits(rank, world, ckpt, tp, pp, ep):
     from megatronapp.models import GPTConfig, GPTModel
     from megatronapp.pipeline.layout import layer_layout
 
-    state = megatronapp.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    state = megatronapp.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                                  expert_tensor_parallel_size=etp)
     _, meta = checkpoint.read_metadata(ckpt)
     cfg = GPTConfig(**{k: v for k, v in meta["config"].items()
                        if k in GPTConfig.__dataclass_fields__})
@@ -120,27 +122,33 @@ def _our_logits(rank, world, ckpt, tp, pp, ep):
     return torch.cat(parts, dim=-1) if rank == dist.get_world_size() - 1 else None
 
 
-def _import(hf_dir, out, tp=1, pp=1, ep=1, max_file_bytes=2 << 30):
+def _import(hf_dir, out, tp=1, pp=1, ep=1, max_file_bytes=2 << 30, etp=None):
     from megatronapp.convert import import_hf
 
     return import_hf(hf_dir, out, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                     expert_model_parallel_size=ep, max_file_bytes=max_file_bytes)
+                     expert_model_parallel_size=ep, max_file_bytes=max_file_bytes,
+                     expert_tensor_parallel_size=etp)
 
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+# (tp, pp, ep, etp); etp None: the tensor-parallel size
+LAYOUTS = [(1, 1, 1, None), (2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None)]
+MOE_LAYOUTS = [(1, 1, 2, None), (2, 1, 2, None),
+               (2, 1, 2, 1)]  # Megatron's DeepSeek recipe: TP2, experts whole (etp 1) over EP2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_logits_equal_transformers_at_every_layout(hf_dirs, tmp_path, family):
     hf_dir, want = hf_dirs[family]
-    layouts = LAYOUTS + ([(1, 1, 2), (2, 1, 2)] if family in ("mixtral", "deepseek_v3") else [])
-    for tp, pp, ep in layouts:
-        out = str(tmp_path / f"ckpt_{tp}{pp}{ep}")
-        _import(hf_dir, out, tp, pp, ep)
-        world = tp * pp * ep
-        got = [r for r in run_ranks(_our_logits, world, out, tp, pp, ep) if r is not None][0]
+    layouts = LAYOUTS + (MOE_LAYOUTS if family in ("mixtral", "deepseek_v3") else [])
+    for tp, pp, ep, etp in layouts:
+        out = str(tmp_path / f"ckpt_{tp}{pp}{ep}{etp}")
+        _import(hf_dir, out, tp, pp, ep, etp=etp)
+        # the experts' grid (etp x ep) fills the tensor ranks before it needs data ranks
+        world = tp * pp * max(1, ep * (etp or tp) // tp)
+        got = [r for r in run_ranks(_our_logits, world, out, tp, pp, ep, etp)
+               if r is not None][0]
         err = (got - want).abs().max().item()
-        assert err < 1e-5, (family, (tp, pp, ep), err)
+        assert err < 1e-5, (family, (tp, pp, ep, etp), err)
 
 
 def _files(d):
@@ -160,9 +168,11 @@ def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf_dirs, tmp_p
     from megatronapp.convert import export_hf
 
     hf_dir, want = hf_dirs[family]
-    # at tp 2 x pp 2 in files of ~20 KB: the export reassembles every shard
+    # at tp 2 x pp 2 (MoE: ep 2, whole experts) in files of ~20 KB: the export
+    # reassembles every shard
     moe = family in ("mixtral", "deepseek_v3")
-    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if moe else 1, max_file_bytes=20_000)
+    ckpt = _import(hf_dir, str(tmp_path / "ckpt"), 2, 2, 2 if moe else 1, max_file_bytes=20_000,
+                   etp=1 if moe else None)
     assert len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) > 8
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size=40_000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded
@@ -200,6 +210,10 @@ def test_bad_inputs_get_clear_errors(hf_dirs, tmp_path):
         lambda: import_hf(llama, str(tmp_path / "o4"), expert_model_parallel_size=2),
         lambda: import_hf(str(tmp_path), str(tmp_path / "o5")),
         lambda: export_hf(str(tmp_path / "nothing"), str(tmp_path / "o6")),
+        lambda: import_hf(hf_dirs["mixtral"][0], str(tmp_path / "o7"),
+                          tensor_model_parallel_size=2, expert_tensor_parallel_size=4),
+        lambda: import_hf(llama, str(tmp_path / "o8"), tensor_model_parallel_size=2,
+                          expert_tensor_parallel_size=1),
         exc=ConversionError)
     assert "GPTNeoXForCausalLM" in msgs[0] and "LlamaForCausalLM" in msgs[0]
     assert "model-00001-of-00002.safetensors" in msgs[1] and "missing" in msgs[1]
@@ -207,6 +221,8 @@ def test_bad_inputs_get_clear_errors(hf_dirs, tmp_path):
     assert "needs an MoE model" in msgs[3]
     assert "no config.json" in msgs[4]
     assert "no checkpoint" in msgs[5]
+    assert "--expert-tensor-parallel-size 4 does not divide the tensor-parallel size 2" in msgs[6]
+    assert "--expert-tensor-parallel-size 1 needs an MoE model" in msgs[7]
 
 
 def _tokenizer_json(path: str) -> str:
@@ -312,3 +328,121 @@ def _train_interleaved_and_export(rank, world, out):
 def test_export_of_interleaved_rope_permutes_into_transformers_pairing(tmp_path):
     arch, err = run_ranks(_train_interleaved_and_export, 1, str(tmp_path))[0]
     assert arch == "Qwen2ForCausalLM" and err < 1e-5, (arch, err)
+
+
+def _with_mtp(hf_dir: str, out: str) -> str:
+    """The tiny DeepSeek-V3 directory with one MTP depth added as DeepSeek
+    releases it: Hugging Face layer num_hidden_layers holding enorm, hnorm,
+    eh_proj, a decoder layer (the last one's kind, its own weights) and
+    shared_head.norm, with copies of the embedding and output layer."""
+    from safetensors.torch import save_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    t = _files(hf_dir)
+    g = torch.Generator().manual_seed(11)
+    p, last = f"model.layers.{L}.", f"model.layers.{L - 1}."
+    for k, v in list(t.items()):
+        if k.startswith(last):
+            t[p + k[len(last):]] = v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+    for n in ("enorm", "hnorm", "shared_head.norm"):
+        t[p + n + ".weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    t[p + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+    t[p + "shared_head.head.weight"] = t["lm_head.weight"].clone()
+    os.makedirs(out)
+    save_file(t, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
+def _mtp_reference(hf_dir: str, ids, labels) -> float:
+    """DeepSeek-V3's depth-1 MTP loss (fp32: transformers' grouped expert
+    GEMM takes no float64) from the Hugging Face tensors, with transformers'
+    modules: the main model's last decoder output h0 (before
+    its norm); x = eh_proj([enorm(Emb(labels)); hnorm(h0)]); the MTP layer run
+    as a one-layer transformers model whose final norm and head are
+    shared_head.norm and the (shared) output layer; cross-entropy against the
+    labels shifted once more, the last position masked."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    t = _files(hf_dir)
+    L = cfg["num_hidden_layers"]
+    main = tf.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    seen = []
+    main.model.layers[-1].register_forward_hook(
+        lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+    # the MTP layer as a one-layer model (MoE: no dense first layer), in its own directory
+    p = f"model.layers.{L}."
+    sd = {"model.embed_tokens.weight": t["model.embed_tokens.weight"],
+          "model.norm.weight": t[p + "shared_head.norm.weight"],
+          "lm_head.weight": t[p + "shared_head.head.weight"]}
+    sd.update({"model.layers.0." + k[len(p):]: v for k, v in t.items() if k.startswith(p)
+               and k[len(p):].split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                 "post_attention_layernorm")})
+    one_dir = hf_dir + "_one_layer"
+    os.makedirs(one_dir)
+    save_file(sd, os.path.join(one_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(one_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "num_hidden_layers": 1, "first_k_dense_replace": 0,
+                   "num_nextn_predict_layers": 0}, f)
+    one = tf.AutoModelForCausalLM.from_pretrained(one_dir).eval()
+    assert not any(n.startswith("model.layers.1") for n, _ in one.named_parameters())
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * w
+
+    with torch.no_grad():
+        main(ids)
+        e = torch.nn.functional.embedding(labels, t["model.embed_tokens.weight"])
+        x = torch.cat([rms(e, t[p + "enorm.weight"]), rms(seen[0], t[p + "hnorm.weight"])], -1)
+        x = x @ t[p + "eh_proj.weight"].T
+        logits = one(inputs_embeds=x).logits
+        target = torch.roll(labels, -1, dims=1)
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+    return ce[:, :-1].mean().item()
+
+
+def _our_mtp_loss(rank, world, ckpt, tp, ep, etp):
+    import megatronapp
+    from megatronapp import checkpoint
+    from megatronapp.models import GPTConfig, GPTModel
+    from megatronapp.models.mtp import mtp_loss
+
+    state = megatronapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+                                                  expert_tensor_parallel_size=etp)
+    _, meta = checkpoint.read_metadata(ckpt)
+    cfg = GPTConfig(**{k: v for k, v in meta["config"].items()
+                       if k in GPTConfig.__dataclass_fields__})
+    model = GPTModel(cfg, parallel_state=state, seed=9)
+    checkpoint.load(ckpt, [model], parallel_state=state)
+    model.eval()
+    ids = _ids()
+    model(ids)
+    _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
+    return cfg.mtp_num_layers, [x.item() for x in losses]
+
+
+def test_deepseek_mtp_depths_import_and_export(hf_dirs, tmp_path):
+    """DeepSeek's released layout of its MTP depth: imported (TP2 x EP2 with
+    whole experts) its loss equals the transformers-module reference within
+    1e-5 (fp32, as the logits above); exported, every tensor (the embedding / head copies too)
+    comes back bit for bit."""
+    from megatronapp.convert import export_hf
+
+    src = _with_mtp(hf_dirs["deepseek_v3"][0], str(tmp_path / "hf_mtp"))
+    ids = _ids()
+    want = _mtp_reference(src, ids, torch.roll(ids, -1, dims=1))
+    ckpt = _import(src, str(tmp_path / "ckpt"), 2, 1, 2, etp=1)
+    for depths, losses in run_ranks(_our_mtp_loss, 2, ckpt, 2, 2, 1):
+        assert depths == 1 and abs(losses[0] - want) < 1e-5, (losses, want)
+    out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf_out"))
+    assert json.load(open(os.path.join(out, "config.json")))["num_nextn_predict_layers"] == 1
+    a, b = _files(src), _files(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -2,7 +2,7 @@
 
     python -m megatronapp.convert import-hf --hf-dir D --output DIR \\
         [--tensor-model-parallel-size N --pipeline-model-parallel-size P \\
-         --expert-model-parallel-size E]
+         --expert-model-parallel-size E --expert-tensor-parallel-size T]
     python -m megatronapp.convert export-hf --load DIR --output D
 
 ``import-hf`` writes our checkpoint format (``megatronapp.checkpoint``:
@@ -11,9 +11,10 @@ architecture as the checkpoint's model config, so ``pretrain_gpt.py --load
 DIR`` continues training from it with no architecture flag given (a given
 flag that disagrees is an error naming both values) and ``python -m
 megatronapp.scope serve --checkpoint DIR`` generates from it. The files are
-laid out for the (tp, pp, ep) given: one file per model-parallel rank holding
-that rank's shards, which that layout reads in place; any other layout
-reshards on load.
+laid out for the (tp, pp, ep, etp) given (etp, the expert-tensor-parallel
+size, defaults to tp; the experts' weights are split over it): one file per
+model-parallel rank holding that rank's shards, which that layout reads in
+place; any other layout reshards on load.
 
 Streamed: ``import-hf`` builds one output file at a time (a rank's shards, in
 files of at most about 2 GiB) from slices of the Hugging Face tensors
@@ -32,7 +33,13 @@ RoPE uses, so they need no permutation; a model trained with
 multi-latent attention keeps its checkpoints' interleaved rotary pairs
 (``rope_interleave``, our ``--rotary-interleaved``): nothing is permuted.
 Its router's ``e_score_correction_bias`` is our expert bias (a checkpointed
-buffer).
+buffer). Its multi-token prediction depths (``num_nextn_predict_layers``,
+stored as the layers after the last decoder layer, as DeepSeek releases them:
+``enorm``, ``hnorm``, ``eh_proj``, a decoder layer and ``shared_head.norm``)
+are imported when their weights are in the files (``--mtp-num-layers``); the
+copies of the embedding and output layer each depth holds
+(``embed_tokens``, ``shared_head.head``) are ours shared, and written back
+as copies on export. transformers' DeepseekV3 itself ignores those layers.
 """
 
 from __future__ import annotations
@@ -130,7 +137,8 @@ def config_from_hf(hf: dict) -> dict:
 
 def _deepseek_v3(hf: dict) -> dict:
     """MLA, the first dense layers and the routed + shared experts of a
-    DeepseekV3 config.json (multi-token prediction layers are not imported)."""
+    DeepseekV3 config.json (its multi-token prediction depths: import_hf, when
+    their weights are there)."""
     if hf.get("attention_bias"):
         raise ConversionError("DeepseekV3ForCausalLM with attention_bias is not supported")
     k, E = hf["num_experts_per_tok"], hf["n_routed_experts"]
@@ -249,7 +257,7 @@ def _deepseek_hf_config(cfg: dict, hf: dict) -> dict:
               routed_scaling_factor=cfg.get("moe_router_topk_scaling_factor") or 1.0,
               n_group=cfg.get("moe_router_num_groups") or 1,
               topk_group=cfg.get("moe_router_group_topk") or 1, norm_topk_prob=True,
-              num_nextn_predict_layers=0)
+              num_nextn_predict_layers=cfg.get("mtp_num_layers") or 0)
     return hf
 
 
@@ -337,6 +345,28 @@ def _hf_layer_names(cfg: dict, i: int, qkv_bias: bool) -> dict:
     return out
 
 
+def _mtp_names(cfg: dict, j: int, qkv_bias: bool) -> dict:
+    """{our global name: [Hugging Face names]} of MTP depth j (0-based),
+    stored (DeepSeek's layout) as Hugging Face layer num_layers + j."""
+    i = cfg["num_layers"] + j
+    p, o = f"model.layers.{i}.", f"mtp.{j}."
+    out = {o + "enorm.weight": [p + "enorm.weight"], o + "hnorm.weight": [p + "hnorm.weight"],
+           o + "eh_proj.weight": [p + "eh_proj.weight"]}
+    for n, srcs in _hf_layer_names(cfg, i, qkv_bias).items():
+        out[o + "layer." + n.split(".", 2)[2]] = srcs
+    out[o + "final_layernorm.weight"] = [p + "shared_head.norm.weight"]
+    return out
+
+
+def _mtp_copies(cfg: dict, j: int) -> dict:
+    """{Hugging Face name: our global name} of the embedding and output layer
+    copies DeepSeek's checkpoints hold in MTP depth j (ours are shared)."""
+    p = f"model.layers.{cfg['num_layers'] + j}."
+    head = ("word_embeddings.weight" if cfg["share_embeddings_and_output_weights"]
+            else "output_layer.weight")
+    return {p + "embed_tokens.weight": "word_embeddings.weight", p + "shared_head.head.weight": head}
+
+
 def _moe_pattern(cfg: dict) -> list:
     """0/1 per layer: which layers have experts (all 0 for a dense model)."""
     from ..models.gpt import moe_layer_pattern
@@ -359,7 +389,8 @@ def _deepseek_layer_names(cfg: dict, i: int, p: str) -> dict:
                     o + "q_norm.weight": [a + "q_a_layernorm.weight"],
                     o + "q_up.weight": [a + "q_b_proj.weight"]})
     m, q = p + "mlp.", f"layers.{i}.mlp."
-    if not _moe_pattern(cfg)[i]:
+    pattern = _moe_pattern(cfg)
+    if not pattern[min(i, len(pattern) - 1)]:  # an MTP depth's layer: the last layer's kind
         out[q + "fc1.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
         out[q + "fc2.weight"] = [m + "down_proj.weight"]
         return out
@@ -377,14 +408,16 @@ def _deepseek_layer_names(cfg: dict, i: int, p: str) -> dict:
 
 
 class _Layout:
-    """Where each global tensor lives under (tp, pp, ep): its shape (in the
-    partition view checkpoints use), the dim split over the tensor group (None:
-    replicated), its pipeline stage and its expert-parallel rank."""
+    """Where each global tensor lives under (tp, pp, ep, etp): its shape (in
+    the partition view checkpoints use), the dim split over the tensor group
+    (the expert-tensor group for the experts' weights; None: replicated), the
+    size of that group, its pipeline stage and its expert-parallel rank."""
 
-    def __init__(self, cfg: dict, tp: int, pp: int, ep: int):
+    def __init__(self, cfg: dict, tp: int, pp: int, ep: int, etp: int | None = None):
         from ..pipeline.layout import layer_layout
 
-        self.cfg, self.tp, self.pp, self.ep = cfg, tp, pp, ep
+        etp = tp if etp is None else etp
+        self.cfg, self.tp, self.pp, self.ep, self.etp = cfg, tp, pp, ep, etp
         h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_channels"]
         ng, L = cfg["num_query_groups"], cfg["num_layers"]
         problems = []
@@ -399,12 +432,16 @@ class _Layout:
             if cfg["num_experts"] % ep:
                 problems.append(f"num_local_experts {cfg['num_experts']} is not divisible by the "
                                 f"expert-parallel size {ep}")
-            if cfg["moe_ffn_hidden_size"] % tp:
+            if tp % etp:
+                problems.append(f"--expert-tensor-parallel-size {etp} does not divide the "
+                                f"tensor-parallel size {tp}")
+            elif cfg["moe_ffn_hidden_size"] % etp:
                 problems.append(f"the expert width {cfg['moe_ffn_hidden_size']} is not divisible "
-                                f"by the tensor-parallel size {tp}")
-        elif ep > 1:
-            problems.append(f"--expert-model-parallel-size {ep} needs an MoE model (this one is "
-                            "dense)")
+                                f"by the expert-tensor-parallel size {etp}")
+        elif ep > 1 or etp != tp:
+            flag = (f"--expert-model-parallel-size {ep}" if ep > 1
+                    else f"--expert-tensor-parallel-size {etp}")
+            problems.append(f"{flag} needs an MoE model (this one is dense)")
         if L < pp:
             problems.append(f"{L} layers cannot fill {pp} pipeline stages")
         if problems:
@@ -417,14 +454,15 @@ class _Layout:
         self.d, self.h, self.heads, self.ng = d, h, heads, ng
 
     def place(self, name: str, shape: list) -> tuple:
-        """(view shape, tp dim in it or None, pipeline stage, ep rank or None)."""
+        """(view shape, dim split in it or None, the size of the group it is
+        split over, pipeline stage, ep rank or None)."""
         import re
 
         cfg = self.cfg
         stage = 0
         if name.startswith("layers."):
             stage = self.stage_of_layer[int(name.split(".")[1])]
-        elif name in ("final_layernorm.weight", "output_layer.weight"):
+        elif name in ("final_layernorm.weight", "output_layer.weight") or name.startswith("mtp."):
             stage = self.pp - 1
         expert = re.search(r"\.mlp\.experts\.experts\.(\d+)\.(fc1|fc2)$", name)
         ep_rank = int(expert.group(1)) // (cfg["num_experts"] // self.ep) if expert else None
@@ -442,7 +480,7 @@ class _Layout:
         elif name.endswith((".mlp.fc1.weight", ".shared_experts.fc1.weight")) or (
                 expert and expert.group(2) == "fc1"):
             view, dim = [2, shape[0] // 2, *shape[1:]], 1  # [gate; up], split along the width
-        return view, dim, stage, ep_rank
+        return view, dim, (self.etp if expert else self.tp), stage, ep_rank
 
 
 # ---- Hugging Face files -----------------------------------------------------------------------
@@ -524,6 +562,9 @@ def _our_tensors(cfg: dict, hf: _HFFiles) -> dict:
     out["final_layernorm.weight"] = (["model.norm.weight"], None)
     if not cfg["share_embeddings_and_output_weights"]:
         out["output_layer.weight"] = (["lm_head.weight"], None)
+    for j in range(cfg.get("mtp_num_layers") or 0):
+        for n, srcs in _mtp_names(cfg, j, qkv_bias).items():
+            out[n] = (srcs, None)
     for n, (srcs, _) in list(out.items()):
         shapes = [hf.shape(s) for s in srcs]
         if n.endswith("qkv.weight"):
@@ -541,11 +582,14 @@ def _our_tensors(cfg: dict, hf: _HFFiles) -> dict:
 
 def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
               pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-              max_file_bytes: int = 2 << 30) -> str:
+              max_file_bytes: int = 2 << 30,
+              expert_tensor_parallel_size: int | None = None) -> str:
     """Converts a Hugging Face checkpoint directory into our checkpoint format
     at `output` (see the module docstring); returns the checkpoint path. Each
     model-parallel rank's shards go to files of about `max_file_bytes`, built
-    one at a time (the converter's peak memory)."""
+    one at a time (the converter's peak memory). The experts' weights are
+    split over `expert_tensor_parallel_size` (default: the tensor-parallel
+    size), as ``--expert-tensor-parallel-size`` splits them in training."""
     from ..checkpoint import FORMAT_VERSION
 
     cpath = os.path.join(hf_dir, "config.json")
@@ -553,25 +597,31 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
         raise ConversionError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
     with open(cpath) as f:
         hf_cfg = json.load(f)
-    cfg = _full_config(config_from_hf(hf_cfg))
+    cfg = config_from_hf(hf_cfg)  # an unsupported architecture is named before any file
+    hf = _HFFiles(hf_dir)
+    mtp = int(hf_cfg.get("num_nextn_predict_layers") or 0) \
+        if cfg.get("multi_latent_attention") else 0
+    if mtp and f"model.layers.{cfg['num_layers']}.eh_proj.weight" in hf.where:
+        cfg["mtp_num_layers"] = mtp  # DeepSeek's release holds them; transformers' saves do not
+    cfg = _full_config(cfg)
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, \
         expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
     for flag, n in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                    ("--expert-model-parallel-size", ep)):
+                    ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if n < 1:
             raise ConversionError(f"{flag} must be >= 1, got {n}")
-    lay = _Layout(cfg, tp, pp, ep)
-    hf = _HFFiles(hf_dir)
+    lay = _Layout(cfg, tp, pp, ep, etp)
     tensors = _our_tensors(cfg, hf)
     # Which model-parallel rank file holds each piece.
     files: dict = {}
     for name, (srcs, shape) in tensors.items():
-        view, dim, stage, ep_rank = lay.place(name, shape)
+        view, dim, split, stage, ep_rank = lay.place(name, shape)
         eps = [ep_rank] if ep_rank is not None else [0]
-        ranks = range(tp) if dim is not None else [0]
+        ranks = range(split) if dim is not None else [0]
         for t in ranks:
             for e in eps:
-                files.setdefault((stage, e, t), []).append((name, srcs, view, dim, t))
+                files.setdefault((stage, e, t), []).append((name, srcs, view, dim, split, t))
     name = "iter_0000000"
     tmp, final = os.path.join(output, f".tmp.{name}"), os.path.join(output, name)
     os.makedirs(output, exist_ok=True)
@@ -595,12 +645,12 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
                     pc["file"] = fname
             out, nbytes, part = {}, 0, part + 1
 
-        for tname, srcs, view, dim, t in files[key]:
+        for tname, srcs, view, dim, split, t in files[key]:
             if dim is None:
                 part_t = _read_part(hf, lay, tname, srcs, None, 0, 0)
                 tp_slice, local = None, view
             else:
-                n = view[dim] // tp
+                n = view[dim] // split
                 lo, hi = t * n, (t + 1) * n
                 part_t = _read_part(hf, lay, tname, srcs, dim, lo, hi)
                 tp_slice = [dim, lo, hi]
@@ -620,7 +670,8 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
     meta = {"format": FORMAT_VERSION, "iteration": 0, "config": cfg,
             "extra": {"consumed_samples": 0, "imported_from": os.path.abspath(hf_dir),
                       "hf_architecture": hf_cfg["architectures"][0]},
-            "parallel": {"world": 0, "tp": tp, "pp": pp, "dp": 1, "ep": ep, "cp": 1, "vpp": 1,
+            "parallel": {"world": 0, "tp": tp, "pp": pp, "dp": 1, "ep": ep, "etp": etp, "cp": 1,
+                         "vpp": 1,
                          "source": "import-hf"},
             "pieces": pieces, "ddp": {}}
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
@@ -693,6 +744,13 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
     groups += [[n for n in _hf_layer_names(cfg, i, qkv_bias)] for i in range(cfg["num_layers"])]
     groups.append(["final_layernorm.weight"] + ([] if cfg["share_embeddings_and_output_weights"]
                                                  else ["output_layer.weight"]))
+    # DeepSeek's MTP depths (other families have no Hugging Face place for them), each
+    # with copies of the embedding and output layer: group index -> {HF name: our name}
+    copies = {}
+    depths = (cfg.get("mtp_num_layers") or 0) if cfg["multi_latent_attention"] else 0
+    for j in range(depths):
+        copies[len(groups)] = _mtp_copies(cfg, j)
+        groups.append(list(_mtp_names(cfg, j, qkv_bias)))
     shard, shard_bytes, index, nshard = {}, 0, {}, 0
     written = []
 
@@ -710,7 +768,9 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
         written.append(fname)
         shard, shard_bytes = {}, 0
 
-    for names in groups:
+    for g, names in enumerate(groups):
+        extra = copies.get(g, {})
+        names = names + [n for n in dict.fromkeys(extra.values()) if n not in names]
         missing = [n for n in names if n not in params]
         if missing:
             raise ConversionError(f"{path}: no stored tensor(s) {missing[:3]} (a checkpoint of a "
@@ -724,11 +784,15 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
                 ld.into(n, "param", full[n], None, gshape)
         finally:
             ld.wait()
+        pairs = [(hf_name, full[n]) for hf_name, n in extra.items()]
         for n, t in full.items():
-            for hf_name, x in _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias):
-                x = x.to(out_dtype).contiguous()
-                shard[hf_name] = x
-                shard_bytes += x.numel() * x.element_size()
+            if n in extra.values() and n not in groups[g]:
+                continue  # loaded only for the copies
+            pairs += _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias)
+        for hf_name, x in pairs:
+            x = x.to(out_dtype).contiguous()
+            shard[hf_name] = x
+            shard_bytes += x.numel() * x.element_size()
         full.clear()
         if shard_bytes >= max_shard_size:
             flush()
@@ -760,7 +824,8 @@ def _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias):
     if n == "output_layer.weight":
         return [("lm_head.weight", t)]
     i = int(n.split(".")[1])
-    srcs = _hf_layer_names(cfg, i, qkv_bias)[n]
+    srcs = (_mtp_names(cfg, i, qkv_bias) if n.startswith("mtp.") else
+            _hf_layer_names(cfg, i, qkv_bias))[n]
     if n.endswith(("qkv.weight", "qkv.bias")):
         qpg = heads // ng
         g = t.reshape(ng, (qpg + 2) * d, *t.shape[1:])

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     i.add_argument("--expert-model-parallel-size", type=int, default=1)
+    i.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="the experts' tensor-parallel size (divides the tensor-parallel size; "
+                   "default: the tensor-parallel size)")
     e = sub.add_parser("export-hf", help="our checkpoint -> a Hugging Face model directory")
     e.add_argument("--load", required=True, help="checkpoint directory (its latest) or iter_* path")
     e.add_argument("--output", required=True, help="Hugging Face model directory to write")
@@ -35,7 +38,8 @@ def main(argv=None) -> None:
             path = import_hf(args.hf_dir, args.output,
                              tensor_model_parallel_size=args.tensor_model_parallel_size,
                              pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                             expert_model_parallel_size=args.expert_model_parallel_size)
+                             expert_model_parallel_size=args.expert_model_parallel_size,
+                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
             print(f"[megatronapp] imported {args.hf_dir} -> {path}")
         else:
             out = export_hf(args.load, args.output, dtype=args.dtype,
