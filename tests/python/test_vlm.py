@@ -241,14 +241,15 @@ def test_flags_that_cannot_work_are_refused(tmp_path):
 
 
 def test_vlm_uses_the_image(tmp_path):
-    """200 steps on 2 ranks each: the VLM's caption loss on unseen images
+    """140 steps on 2 ranks each (200 until 2026-12-06; at 140 the margins are
+    0.215 nats for 0.15 and 0.104 accuracy for 0.05): the VLM's caption loss on unseen images
     falls below the text-only model's on the same captions (whose floor is
     the captions' entropy, about 0.75 nats per token); the long run is in
     benchmarks/RESULTS.md."""
     flags = ["--tensor-model-parallel-size", "2", "--img-h", "32", "--img-w", "32",
              "--seq-length", "74", "--encoder-num-layers", "2", "--hidden-size", "64",
              "--micro-batch-size", "16", "--global-batch-size", "32", "--lr", "2e-3",
-             "--min-lr", "2e-4", "--lr-warmup-iters", "14", "--train-iters", "200"]
+             "--min-lr", "2e-4", "--lr-warmup-iters", "14", "--train-iters", "140"]
     vlm = run_ranks(_train_vlm, 2, flags, str(tmp_path / "vlm"), timeout=400)[0]
     text = run_ranks(_train_vlm, 2, flags + ["--text-only"], str(tmp_path / "text"),
                      timeout=400)[0]
