@@ -83,28 +83,36 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def _our_logits(rank, world, ckpt, tp, pp, ep, etp=None):
-    """Our model at (tp, pp, ep, etp) loaded from `ckpt`; the full logits on
-    the last rank."""
-    import torch.distributed as dist
-
-    import megatronapp
+def _our_model(ckpt, state):
+    """This rank's stage of our model, built from `ckpt`'s config and loaded from it."""
     from megatronapp import checkpoint
     from megatronapp.models import GPTConfig, GPTModel
     from megatronapp.pipeline.layout import layer_layout
 
-    state = megatronapp.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
-                                                  expert_tensor_parallel_size=etp)
     _, meta = checkpoint.read_metadata(ckpt)
     cfg = GPTConfig(**{k: v for k, v in meta["config"].items()
                        if k in GPTConfig.__dataclass_fields__})
+    pp = state.pp_size
     counts = layer_layout(cfg.num_layers, pp, 1)
     first = sum(counts[:state.pp_rank])
     model = GPTModel(cfg, parallel_state=state, pre_process=state.pp_rank == 0,
                      post_process=state.pp_rank == pp - 1,
                      layer_numbers=list(range(first, first + counts[state.pp_rank])), seed=9)
     checkpoint.load(ckpt, [model], parallel_state=state)
-    model.eval()
+    return model.eval()
+
+
+def _our_logits(rank, world, ckpt, tp, pp, ep, etp=None):
+    """Our model at (tp, pp, ep, etp) loaded from `ckpt`; the full logits on
+    the last rank."""
+    import torch.distributed as dist
+
+    import megatronapp
+
+    state = megatronapp.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                                  expert_tensor_parallel_size=etp)
+    model = _our_model(ckpt, state)
+    cfg = model.config
     ids = _ids()
     with torch.no_grad():
         if state.pp_rank == 0:
@@ -409,22 +417,15 @@ def _mtp_reference(hf_dir: str, ids, labels) -> float:
 
 def _our_mtp_loss(rank, world, ckpt, tp, ep, etp):
     import megatronapp
-    from megatronapp import checkpoint
-    from megatronapp.models import GPTConfig, GPTModel
     from megatronapp.models.mtp import mtp_loss
 
     state = megatronapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
                                                   expert_tensor_parallel_size=etp)
-    _, meta = checkpoint.read_metadata(ckpt)
-    cfg = GPTConfig(**{k: v for k, v in meta["config"].items()
-                       if k in GPTConfig.__dataclass_fields__})
-    model = GPTModel(cfg, parallel_state=state, seed=9)
-    checkpoint.load(ckpt, [model], parallel_state=state)
-    model.eval()
+    model = _our_model(ckpt, state)
     ids = _ids()
     model(ids)
     _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
-    return cfg.mtp_num_layers, [x.item() for x in losses]
+    return model.config.mtp_num_layers, [x.item() for x in losses]
 
 
 def test_deepseek_mtp_depths_import_and_export(hf_dirs, tmp_path):

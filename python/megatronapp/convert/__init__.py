@@ -740,17 +740,15 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
     rot = int(d * cfg["rotary_percent"])
     rot -= rot % 2
     qkv_bias = cfg["add_qkv_bias"] or cfg["add_bias_linear"]
-    groups = [["word_embeddings.weight"]]
-    groups += [[n for n in _hf_layer_names(cfg, i, qkv_bias)] for i in range(cfg["num_layers"])]
-    groups.append(["final_layernorm.weight"] + ([] if cfg["share_embeddings_and_output_weights"]
-                                                 else ["output_layer.weight"]))
+    # (our names, {Hugging Face name: our name} written as copies), one group at a time
+    groups = [(["word_embeddings.weight"], {})]
+    groups += [(list(_hf_layer_names(cfg, i, qkv_bias)), {}) for i in range(cfg["num_layers"])]
+    groups.append((["final_layernorm.weight"] + (
+        [] if cfg["share_embeddings_and_output_weights"] else ["output_layer.weight"]), {}))
     # DeepSeek's MTP depths (other families have no Hugging Face place for them), each
-    # with copies of the embedding and output layer: group index -> {HF name: our name}
-    copies = {}
+    # with copies of the embedding and output layer
     depths = (cfg.get("mtp_num_layers") or 0) if cfg["multi_latent_attention"] else 0
-    for j in range(depths):
-        copies[len(groups)] = _mtp_copies(cfg, j)
-        groups.append(list(_mtp_names(cfg, j, qkv_bias)))
+    groups += [(list(_mtp_names(cfg, j, qkv_bias)), _mtp_copies(cfg, j)) for j in range(depths)]
     shard, shard_bytes, index, nshard = {}, 0, {}, 0
     written = []
 
@@ -768,27 +766,24 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
         written.append(fname)
         shard, shard_bytes = {}, 0
 
-    for g, names in enumerate(groups):
-        extra = copies.get(g, {})
-        names = names + [n for n in dict.fromkeys(extra.values()) if n not in names]
-        missing = [n for n in names if n not in params]
+    for names, copies in groups:
+        load = list(dict.fromkeys(names + list(copies.values())))
+        missing = [n for n in load if n not in params]
         if missing:
             raise ConversionError(f"{path}: no stored tensor(s) {missing[:3]} (a checkpoint of a "
                                   "different model?)")
         ld = StreamLoader(path, meta)
         full = {}
         try:
-            for n in names:
+            for n in load:
                 gshape, dt = params[n]
                 full[n] = torch.empty(gshape, dtype=getattr(torch, dt.replace("torch.", "")))
                 ld.into(n, "param", full[n], None, gshape)
         finally:
             ld.wait()
-        pairs = [(hf_name, full[n]) for hf_name, n in extra.items()]
-        for n, t in full.items():
-            if n in extra.values() and n not in groups[g]:
-                continue  # loaded only for the copies
-            pairs += _to_hf(n, t, cfg, heads, ng, d, rot, qkv_bias)
+        pairs = [(hf_name, full[n]) for hf_name, n in copies.items()]
+        for n in names:
+            pairs += _to_hf(n, full[n], cfg, heads, ng, d, rot, qkv_bias)
         for hf_name, x in pairs:
             x = x.to(out_dtype).contiguous()
             shard[hf_name] = x
