@@ -39,6 +39,8 @@ std::string CachingPool::stats_json() const {
   std::ostringstream os;
   os << "{\"name\":\"" << options_.name << "\",\"backend\":\"" << impl_->dev.name()
      << "\",\"expandable_segments\":" << (options_.expandable_segments ? "true" : "false")
+     << ",\"gc_threshold\":" << options_.gc_threshold
+     << ",\"thread_cache_bytes\":" << options_.thread_cache_bytes
      << ",\"allocated_bytes\":" << s.allocated_bytes
      << ",\"peak_allocated_bytes\":" << s.peak_allocated_bytes
      << ",\"active_bytes\":" << s.active_bytes << ",\"peak_active_bytes\":" << s.peak_active_bytes

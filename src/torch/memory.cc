@@ -36,6 +36,7 @@ struct CpuPoolState {
   std::unique_ptr<CachingPool> pool;
   c10::Allocator* previous = nullptr;
   std::unique_ptr<AllocTraceRecorder> recorder;
+  int swaps = 0;  // allocator swaps so far: the priority of the next one
   std::mutex mu;
 };
 
@@ -65,10 +66,16 @@ class PoolCpuAllocator final : public c10::Allocator {
 
 PoolCpuAllocator g_allocator;
 
-// Priorities: torch registers its CPU allocator at 0; ours takes over at 1 and
-// a restore writes the previous one back at 2 (SetAllocator needs >=).
-constexpr std::uint8_t kInstallPriority = 1;
-constexpr std::uint8_t kRestorePriority = 2;
+// Priorities: torch registers its CPU allocator at 0 and SetAllocator only
+// replaces at a priority >= the current one, so every swap (install, restore,
+// install again) takes the next priority: 1, 2, 3, ...
+std::uint8_t next_priority(CpuPoolState& s) {
+  MAPP_CHECK_STATE(s.swaps < 255,
+                   "the CPU allocator was swapped 255 times in this process (torch's "
+                   "priorities end there); keep the pool installed instead of "
+                   "restoring and installing it again");
+  return static_cast<std::uint8_t>(++s.swaps);
+}
 
 }  // namespace
 
@@ -91,7 +98,7 @@ CachingPool& install_cpu_pool(const PoolOptions& options) {
   c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
   if (current != &g_allocator) {
     s.previous = current;
-    c10::SetAllocator(c10::DeviceType::CPU, &g_allocator, kInstallPriority);
+    c10::SetAllocator(c10::DeviceType::CPU, &g_allocator, next_priority(s));
     MAPP_CHECK_STATE(c10::GetAllocator(c10::DeviceType::CPU) == &g_allocator,
                      "torch refused the CPU allocator swap (another allocator was "
                      "installed with a higher priority)");
@@ -105,7 +112,7 @@ void restore_cpu_allocator() {
   CpuPoolState& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.previous != nullptr && c10::GetAllocator(c10::DeviceType::CPU) == &g_allocator) {
-    c10::SetAllocator(c10::DeviceType::CPU, s.previous, kRestorePriority);
+    c10::SetAllocator(c10::DeviceType::CPU, s.previous, next_priority(s));
   }
 }
 

@@ -13,10 +13,12 @@ process, so no rank's exit can take it away) and a new default process group,
 the test process's environment variables, working directory and sys.path,
 torch's start-up seed, default dtype and grad mode. Afterwards every rank
 tears down what the body left (model-parallel state and its groups,
-shared-memory attachments, the tracer, the scope, signal handlers) before the
-next body starts. State that cannot be undone in-process (the CPU memory pool,
-which is installed once per process) retires the pool: the next body gets new
-processes.
+shared-memory attachments, the tracer, the scope, signal handlers, torch's
+CPU allocator) before the next body starts. State that cannot be undone
+in-process (a CPU memory pool with other options than use_pool("cpu")'s
+defaults: the pool is built once per process) retires the pool: the next body
+gets new processes. A body that installs a pool with non-default options must
+therefore run with fresh=True or first in its processes.
 
 A body that fails on some ranks while others still wait in a collective, or
 that runs past `timeout`, is reported with each rank's traceback (for a hang,
@@ -178,7 +180,17 @@ def _teardown() -> bool:
                 reusable = False
         dist.destroy_process_group()
     if memory.is_installed("cpu"):
-        reusable = False  # the CPU pool is installed once per process
+        # The CPU pool is built once per process. torch's allocator goes back
+        # (a fresh process's), and a later body's use_pool("cpu") swaps the
+        # same pool in again; only a pool with other options than
+        # use_pool("cpu")'s own retires the process (a body asking for the
+        # default one would be refused there).
+        st = memory.stats("cpu")
+        memory.restore_default("cpu")
+        memory.release_cached("cpu")
+        if (st["name"], st["expandable_segments"], st["gc_threshold"],
+                st["thread_cache_bytes"]) != ("ours", True, 0, 1 << 20):
+            reusable = False
     return reusable
 
 
