@@ -120,10 +120,12 @@ test-python: peers
 
 # ---- release ----------------------------------------------------------------
 # dist/: an sdist and a manylinux wheel (auditwheel repair; torch/CUDA excluded).
+# The wheel comes from the development build's folder: the same configuration
+# and objects (the tests' targets are not installed), so nothing compiles twice.
 wheel: setup
 	rm -rf dist build/wheel-raw
 	$(PY) -m build --sdist --no-isolation --outdir dist .
-	MAPP_BUILD_TESTS=OFF $(PY) -m pip wheel -q --no-build-isolation --no-deps -C build-dir=build/wheel \
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -C build-dir=$(BUILD_DIR) \
 	  -w build/wheel-raw .
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDES) -w dist \
 	  build/wheel-raw/megatronapp-*.whl

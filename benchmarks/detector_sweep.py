@@ -81,35 +81,71 @@ def draw(rng: random.Random, peers_only: bool = False) -> dict:
                 "pool": rng.random() < 0.5}
 
 
-def command(cfg: dict, iters: int, out: str, port: int) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(ROOT, "examples", "pretrain_gpt.py"),
-           "--num-layers", str(cfg["layers"]), "--hidden-size", str(cfg["hidden"]),
-           "--num-attention-heads", str(cfg["heads"]), "--seq-length", str(cfg["seq"]),
-           "--micro-batch-size", str(cfg["mbs"]), "--global-batch-size", str(cfg["gbs"]),
-           "--train-iters", str(iters), "--eval-iters", "0", "--eval-interval", "0",
-           "--no-progress", "--log-interval", "100000", "--output-dir", out,
-           "--trace", "--trace-dir", os.path.join(out, "trace"),
-           *LAYOUTS[cfg["layout"]][0], *CODECS[cfg["codec"]]]
+def trial_flags(cfg: dict, iters: int, out: str) -> list:
+    """pretrain_gpt.py's command line for one trial."""
+    flags = ["--num-layers", str(cfg["layers"]), "--hidden-size", str(cfg["hidden"]),
+             "--num-attention-heads", str(cfg["heads"]), "--seq-length", str(cfg["seq"]),
+             "--micro-batch-size", str(cfg["mbs"]), "--global-batch-size", str(cfg["gbs"]),
+             "--train-iters", str(iters), "--eval-iters", "0", "--eval-interval", "0",
+             "--no-progress", "--log-interval", "100000", "--output-dir", out,
+             "--trace", "--trace-dir", os.path.join(out, "trace"),
+             *LAYOUTS[cfg["layout"]][0], *CODECS[cfg["codec"]]]
     if cfg["pool"]:
-        cmd.append("--memory-pool")
-    return cmd
+        flags.append("--memory-pool")
+    return flags
 
 
-def run_trial(cfg: dict, inject: dict | None, iters: int, out: str, port: int) -> float:
+def command(cfg: dict, iters: int, out: str, port: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            os.path.join(ROOT, "examples", "pretrain_gpt.py"), *trial_flags(cfg, iters, out)]
+
+
+def _inject_env(inject: dict | None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MAPP_INJECT_SLOWDOWN", "MAPP_INJECT_LINK_DELAY")}
     env["OMP_NUM_THREADS"] = "1"
     if inject:
         env["MAPP_INJECT_SLOWDOWN"] = (f"rank={inject['rank']},factor={inject['factor']},"
                                        f"phase={inject['phase']}")
+    return env
+
+
+def run_trial(cfg: dict, inject: dict | None, iters: int, out: str) -> float:
+    """One trial launched by torchrun, as a user launches a job."""
+    from dist_harness import free_port
+
     t0 = time.perf_counter()
-    p = subprocess.run(command(cfg, iters, out, port), env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    p = subprocess.run(command(cfg, iters, out, free_port()), env=_inject_env(inject),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode:
         raise RuntimeError(f"trial {cfg} failed:\n{p.stdout[-3000:]}")
     return time.perf_counter() - t0
+
+
+def _trial_body(rank, world, flags):
+    from megatronapp.pretrain import build_parser, train
+
+    train(build_parser().parse_args(flags))
+
+
+def run_trial_warm(cfg: dict, inject: dict | None, iters: int, out: str) -> float:
+    """One trial on the test harness's warm rank processes (tests/python/
+    dist_harness.py): the same training and traces without a launch per
+    trial. The ranks take this process's environment, so the injection is set
+    here for the duration of the trial."""
+    from dist_harness import run_ranks
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_inject_env(inject))
+    try:
+        t0 = time.perf_counter()
+        run_ranks(_trial_body, 4, trial_flags(cfg, iters, out), timeout=600)
+        return time.perf_counter() - t0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def judge(trace_dir: str, iters: int, warmup: int) -> dict:
@@ -136,6 +172,39 @@ def summarize(results: list, factors: list) -> dict:
     return out
 
 
+def sweep(healthy: int, injected: int, factors: list, *, iters: int = 12, warmup: int = 1,
+          seed: int = 7, keep: str | None = None, warm: bool = False) -> tuple[dict, list]:
+    """Runs the trials; returns (summary, per-trial results). warm: on the
+    test harness's warm ranks instead of a torchrun launch per trial."""
+    rng = random.Random(seed)
+    plan = [None] * healthy
+    for i in range(injected):
+        plan.append({"rank": rng.randrange(4), "phase": rng.choice(["forward", "backward"]),
+                     "factor": factors[i % len(factors)]})
+    rng.shuffle(plan)
+    root = keep or tempfile.mkdtemp(prefix="mapp_detector_sweep_")
+    os.makedirs(root, exist_ok=True)
+    trial = run_trial_warm if warm else run_trial
+    results = []
+    try:
+        for i, inject in enumerate(plan):
+            cfg = draw(rng, peers_only=inject is not None)
+            d = os.path.join(root, f"trial{i:04d}")
+            secs = trial(cfg, inject, iters, d)
+            t = {"config": cfg, "inject": inject, "iters": iters, "secs": round(secs, 1)}
+            with open(os.path.join(d, "trial.json"), "w") as f:
+                json.dump(t, f)
+            rep = judge(os.path.join(d, "trace"), iters, warmup)
+            results.append({**t, **_verdict(rep)})
+            _print(i, results[-1])
+            if not keep:
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return summarize(results, factors), results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--healthy", type=int, default=100)
@@ -148,11 +217,14 @@ def main():
     ap.add_argument("--keep", default=None, help="keep every trial's traces under this folder")
     ap.add_argument("--from", dest="src", default=None,
                     help="re-run the detector on a folder written by --keep")
+    ap.add_argument("--warm-ranks", action="store_true",
+                    help="run the trials on warm rank processes (the test harness's) "
+                         "instead of one torchrun launch each")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     factors = [float(f) for f in args.factors.split(",")]
-    results = []
     if args.src:
+        results = []
         for name in sorted(os.listdir(args.src)):
             d = os.path.join(args.src, name)
             if not os.path.isfile(os.path.join(d, "trial.json")):
@@ -162,34 +234,11 @@ def main():
             rep = judge(os.path.join(d, "trace"), t["iters"], args.warmup)
             results.append({**t, **_verdict(rep)})
             _print(len(results) - 1, results[-1])
+        summary = summarize(results, factors)
     else:
-        from dist_harness import free_port
-
-        rng = random.Random(args.seed)
-        plan = [None] * args.healthy
-        for i in range(args.injected):
-            plan.append({"rank": rng.randrange(4), "phase": rng.choice(["forward", "backward"]),
-                         "factor": factors[i % len(factors)]})
-        rng.shuffle(plan)
-        root = args.keep or tempfile.mkdtemp(prefix="mapp_detector_sweep_")
-        os.makedirs(root, exist_ok=True)
-        try:
-            for i, inject in enumerate(plan):
-                cfg = draw(rng, peers_only=inject is not None)
-                d = os.path.join(root, f"trial{i:04d}")
-                secs = run_trial(cfg, inject, args.iters, d, free_port())
-                t = {"config": cfg, "inject": inject, "iters": args.iters, "secs": round(secs, 1)}
-                with open(os.path.join(d, "trial.json"), "w") as f:
-                    json.dump(t, f)
-                rep = judge(os.path.join(d, "trace"), args.iters, args.warmup)
-                results.append({**t, **_verdict(rep)})
-                _print(i, results[-1])
-                if not args.keep:
-                    shutil.rmtree(d, ignore_errors=True)
-        finally:
-            if not args.keep:
-                shutil.rmtree(root, ignore_errors=True)
-    summary = summarize(results, factors)
+        summary, results = sweep(args.healthy, args.injected, factors, iters=args.iters,
+                                 warmup=args.warmup, seed=args.seed, keep=args.keep,
+                                 warm=args.warm_ranks)
     print("summary:", json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:

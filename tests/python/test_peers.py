@@ -1,6 +1,6 @@
 """The peers' harness cannot rot: a few steps of every configuration of
 benchmarks/peers/run.py (PyTorch DDP / FSDP2 / DTensor TP / pipelining 1F1B and
-zero-bubble, DeepSpeed ZeRO-1 / ZeRO-2 / PipelineModule, Megatron-Core TP x DP /
+zero-bubble, DeepSpeed ZeRO-1 / PipelineModule (ZeRO-2 in the benchmarks), Megatron-Core TP x DP /
 1F1B / interleaved, and ours) on 4 Gloo ranks, and the check that they compute
 the same function: from the same weights and batches every exact configuration
 (no lossy gradient codec) reports the same losses, step by step, to 1e-3.
@@ -25,9 +25,12 @@ def test_every_stack_trains_the_same_function():
     # Every configuration but DeepSpeed's and PyTorch's on the mapp backend: each is a
     # launch of its own (~35 s of DeepSpeed start-up, ~25 s of PyTorch's), and the
     # backend flag's path is the one the Megatron-Core -mapp configurations take
-    # here (make bench-fair and make bench-peers run them).
+    # here (make bench-fair and make bench-peers run them). DeepSpeed's ZeRO-2 is
+    # ZeRO-1's path in the harness with another stage number (~12 s here; the
+    # benchmarks run it).
     keys = [k for k in peers.CONFIGS
-            if not (k.endswith("-mapp") and k.startswith(("deepspeed", "torch")))]
+            if not (k.endswith("-mapp") and k.startswith(("deepspeed", "torch")))
+            and k != "deepspeed-zero2"]
     proc = subprocess.run([sys.executable, RUN, "--smoke", "--configs", ",".join(keys),
                            "--port", "0"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
