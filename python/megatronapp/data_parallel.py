@@ -48,6 +48,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
@@ -399,8 +400,16 @@ class DistributedDataParallel(nn.Module):
 
     def _make_hook(self, p):
         main = self._keeps_main_grad(self._param_bucket[p])
+        # The hook lives in the parameter's C++ state, where the garbage
+        # collector cannot see it: a strong reference back to this module (or
+        # to the parameter itself) would keep them, and the process groups,
+        # alive forever. The parameter comes as the argument.
+        ref = weakref.ref(self)
 
         def hook(param):
+            self = ref()
+            if self is None:
+                return
             if main and param.grad is not None:
                 param.main_grad.add_(param.grad)  # float32 accumulation
                 param.grad = None
@@ -411,7 +420,7 @@ class DistributedDataParallel(nn.Module):
                 if self._finish_at_backward_end:
                     torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001
                         self.finish_grad_sync)
-            b = self._param_bucket[p]
+            b = self._param_bucket[param]
             b.ready.add(id(param))
             if self.overlap_grad_reduce:
                 self._launch_ready()

@@ -56,6 +56,10 @@ import torch.multiprocessing as mp
 _GRACE_S = 5.0
 #: seconds a rank may take to tear a body down
 _TEARDOWN_S = 60.0
+#: a warm rank with more threads than this after a teardown retires: threads
+#: that outlive their body (a process group something still holds: Gloo's
+#: loop and worker threads) would otherwise pile up over hundreds of bodies
+_MAX_THREADS = int(os.environ.get("MAPP_TEST_WARM_RANK_THREADS_MAX", "64"))
 #: at most this many warm ranks are kept (least recently used pools retire)
 _MAX_WARM_RANKS = int(os.environ.get("MAPP_TEST_WARM_RANKS_MAX", "12"))
 
@@ -194,6 +198,14 @@ def _teardown() -> bool:
     return reusable
 
 
+def thread_count() -> int:
+    """This process's threads (native ones included)."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:  # no procfs: nothing to go by
+        return 0
+
+
 def _serve(rank: int, world: int, conn, dump_path: str) -> None:
     """A warm rank: runs bodies from `conn` until told to stop."""
     import faulthandler
@@ -239,6 +251,7 @@ def _serve(rank: int, world: int, conn, dump_path: str) -> None:
             return
         base.restore()
         gc.collect()
+        reusable = reusable and thread_count() <= _MAX_THREADS
         conn.send(("clean" if reusable else "retire", ""))
         if not reusable:
             return
