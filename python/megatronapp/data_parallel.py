@@ -140,10 +140,10 @@ class DistributedDataParallel(nn.Module):
         self.expert_group, self.expert_scale = self.group, 1.0
         if any(getattr(p, "expert_parallel", False) for p in module.parameters()):
             st = parallel_state or get_parallel_state()
-            if process_group is not st.data_group:
+            if process_group is not (st.data_context_group or st.data_group):
                 raise ValueError("DistributedDataParallel with MoE experts reduces over the "
-                                 "grid's data and expert-data groups; do not pass process_group "
-                                 "(and context parallelism does not combine with experts yet)")
+                                 "grid's data (x context) and expert-data groups; do not pass "
+                                 "process_group")
             self.expert_group = st.expert_data_group_or_data()
             self.expert_scale = st.expert_grad_scale()
         self.overlap_grad_reduce = overlap_grad_reduce

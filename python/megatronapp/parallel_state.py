@@ -176,8 +176,9 @@ class ParallelState:
         """What an expert gradient summed by the dispatcher over its
         expert-parallel peers' tokens is multiplied by before an *average*
         over the expert-data-parallel group, so that the result is the data
-        average (1 / dp) of the experts' full gradient."""
-        return self.edp_size / self.dp_size
+        (x context) average (1 / (dp cp)) of the experts' full gradient, as
+        the dense parameters' average over the data x context group."""
+        return self.edp_size / (self.dp_size * self.cp_size)
 
 
 _STATE: ParallelState | None = None

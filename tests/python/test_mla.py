@@ -214,18 +214,26 @@ DEEPSEEK_MOE = DEEPSEEK + ["--num-experts", "8", "--moe-router-topk", "2",
                            "--moe-aux-loss-coeff", "1e-2"]
 
 
-def test_deepseek_moe_block_under_ep2_and_tp2_matches_one_rank(tmp_path):
+CP2 = ["--context-parallel-size", "2"]
+
+
+def test_deepseek_moe_block_under_ep2_tp2_and_cp2_matches_one_rank(tmp_path):
     """Dense first layer, sigmoid scores with the bias, node-limited routing,
     shared experts, top-k scaling and the sequence-wise balance loss: EP2,
-    TP2 x SP and TP2 x SP with whole experts spread over the tensor pair
-    (--expert-tensor-parallel-size 1, DeepSeek-V3's Megatron layout) compute
-    what one rank does."""
+    TP2 x SP, TP2 x SP with whole experts spread over the tensor pair
+    (--expert-tensor-parallel-size 1, DeepSeek-V3's Megatron layout), CP2
+    (the balance loss over the whole sequences), EP2 over the context pair,
+    and TP2 x SP x CP2 (all-to-all) x EP2 compute what one rank does."""
     one = run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path / "a"))[0]
     for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                               "--expert-tensor-parallel-size", "1",
-                              "--expert-model-parallel-size", "2"])):
+                              "--expert-model-parallel-size", "2"]),
+                         (2, CP2),
+                         (2, CP2 + ["--expert-model-parallel-size", "2"]),
+                         (4, CP2 + ["--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--expert-model-parallel-size", "2"])):
         for losses in run_ranks(_train, world, DEEPSEEK_MOE + extra,
                                 str(tmp_path / "_".join(extra[::2]))):
             assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one, strict=True)), (
@@ -309,7 +317,12 @@ def mtp_ref(tmp_path_factory):
          "--use-distributed-optimizer"]),  # the last stage is stage 0: summed in place
     (2, ["--use-distributed-optimizer", "--recompute-granularity", "full",
          "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
-], ids=["tp2-pp2-sp", "pp2-zbv-zero1", "dp2-zero1-recompute"])
+    (2, CP2),  # the shifted tokens cross the zigzag chunks
+    (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--cp-comm-type", "a2a"]),
+    (4, CP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero-bubble"]),
+], ids=["tp2-pp2-sp", "pp2-zbv-zero1", "dp2-zero1-recompute", "cp2", "tp2-sp-cp2-a2a",
+        "pp2-zb-cp2"])
 def test_mtp_trains_like_one_rank_and_reports_its_losses(mtp_ref, tmp_path, world, extra):
     losses, mtp = mtp_ref
     assert len(mtp) == STEPS and all(len(m) == 2 for m in mtp)
@@ -321,18 +334,28 @@ def test_mtp_trains_like_one_rank_and_reports_its_losses(mtp_ref, tmp_path, worl
                 extra, i, got_mtp, mtp)
 
 
-def test_mtp_changes_training_and_refuses_context_parallelism(mtp_ref, tmp_path):
-    from megatronapp.pretrain import build_parser
-    from megatronapp.training import Config
-
+def test_mtp_changes_training(mtp_ref, tmp_path):
     plain = run_ranks(_train_summary, 1, MTP[:MTP.index("--mtp-num-layers")]
                       + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0"],
                       str(tmp_path))[0]
     assert plain[0][0] == mtp_ref[0][0]  # the first loss: same model, MTP not reported in it
     assert plain[0][1] != mtp_ref[0][1]  # then MTP's gradient has trained the trunk
-    with pytest.raises(Exception, match="--mtp-num-layers with --context-parallel-size"):
-        Config.from_args(build_parser().parse_args(
-            MTP + ["--context-parallel-size", "2"])).check(2)
+
+
+def test_moe_checkpoint_of_cp2_x_ep2_resumes_on_one_rank(tmp_path):
+    """Under CP2 x EP2 the experts live on the two context ranks: both store
+    theirs, and one rank resumes the run."""
+    import os
+
+    flags = DEEPSEEK_MOE + ["--mtp-num-layers", "1"]
+    flags[flags.index("--train-iters") + 1] = "4"
+    ck = str(tmp_path / "ck")
+    two = run_ranks(_train, 2, flags + CP2 + ["--expert-model-parallel-size", "2", "--save", ck,
+                                              "--save-interval", "2"], str(tmp_path / "a"))[0]
+    one = run_ranks(_train, 1, flags + ["--load", os.path.join(ck, "iter_0000002")],
+                    str(tmp_path / "b"))[0]
+    assert len(one) == 2 and all(abs(a - b) < 1e-5 for a, b in zip(one, two[2:], strict=True)), (
+        one, two)
 
 
 def test_deepseek_moe_with_its_expert_bias_resumes_bit_identically(tmp_path):
@@ -374,6 +397,38 @@ def test_seq_aux_loss_equals_its_definition_per_sequence():
     assert abs(float(aux) - 0.1 * want) < 1e-6, (float(aux), 0.1 * want)
     with pytest.raises(ValueError, match="seq_aux_loss needs the"):
         r(x)
+
+
+def _seq_aux_over_context(rank, world):
+    """Each rank routes its half of every sequence (the two zigzag chunks)."""
+    import torch.distributed as dist
+
+    from megatronapp.context_parallel import zigzag_split
+    from megatronapp.moe.router import Router
+
+    torch.manual_seed(0)
+    E, k, s, b = 8, 2, 8, 3
+    r = Router(16, E, k, score_function="sigmoid", enable_expert_bias=True,
+               load_balancing_type="seq_aux_loss", aux_loss_coeff=0.1)
+    x = torch.randn(s, b, 16)
+    _, _, whole = r(x.reshape(s * b, 16), seq_shape=(s, b))
+    (g_whole,) = torch.autograd.grad(whole, r.weight)
+    mine = zigzag_split(x, world, rank, 0)
+    _, _, part = r(mine.reshape(-1, 16), seq_shape=(s // world, b), seq_group=dist.group.WORLD)
+    (g_part,) = torch.autograd.grad(part, r.weight)
+    return float(whole), float(part), g_whole, g_part
+
+
+def test_seq_aux_loss_over_the_context_group_is_the_whole_sequences():
+    """Under context parallelism the ranks' losses average to the whole
+    sequences' loss, and their gradients (averaged, as the context ranks'
+    are) to its gradient."""
+    out = run_ranks(_seq_aux_over_context, 2)
+    whole, g_whole = out[0][0], out[0][2]
+    assert abs(sum(o[1] for o in out) / 2 - whole) < 1e-7, out  # (the router is float32)
+    g = sum(o[3] for o in out) / 2
+    assert torch.allclose(g, g_whole, rtol=1e-5, atol=1e-8), (g - g_whole).abs().max()
+    assert out[0][1] != out[1][1]  # each rank's share differs: not a copy of the whole
 
 
 def test_deepseek_block_with_int8_gradients_and_in_bf16(deepseek_ref, tmp_path):

@@ -138,9 +138,13 @@ def _global_shape(p, state):
 def _owner_of_model_copy(p, state) -> bool:
     """Exactly one rank stores each model piece. An MoE expert (named by its
     global id) lives on one expert-parallel rank: the first rank of its
-    expert-data-parallel group stores it."""
-    first = state.edp_rank == 0 if getattr(p, "expert_parallel", False) else state.dp_rank == 0
-    if not first or state.cp_rank != 0 or getattr(p, "shared_embedding_replica", False):
+    expert-data-parallel group stores it (the expert grid spans the context
+    ranks too); other pieces, data and context rank 0."""
+    if getattr(p, "expert_parallel", False):
+        first = state.edp_rank == 0
+    else:
+        first = state.dp_rank == 0 and state.cp_rank == 0
+    if not first or getattr(p, "shared_embedding_replica", False):
         return False
     return _tp_slice(p, state) is not None or state.tp_rank == 0
 

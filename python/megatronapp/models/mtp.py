@@ -12,9 +12,12 @@ the last pipeline stage, each sharing the model's embedding and output layer:
 
 The tokens t_{i+k} and targets come from the labels (the tokens shifted by
 one), shifted k - 1 and k places; the last k positions have no target and
-are masked. The reported loss stays the language-model loss: the MTP terms
-enter through the gradient only (:class:`AddToGradient`), and their mean is
-reported on its own (``mtp_loss``). The projection W_k is whole on every
+are masked. Under context parallelism the shifts are taken on the whole
+sequences before the zigzag split (:func:`mtp_targets`), and the MTP layers'
+attention is the model's (ring / all-to-all over the context group). The
+reported loss stays the language-model loss: the MTP terms enter through
+the gradient only (:class:`AddToGradient`), and their mean is reported on
+its own (``mtp_loss``). The projection W_k is whole on every
 tensor rank (under sequence parallelism it runs on the rank's sequence shard,
 its gradient a partial sum over the tensor group); the transformer layer is
 the model's (MoE when the last decoder layer is).
@@ -35,7 +38,7 @@ from .gpt import (
     normal_init,
 )
 
-__all__ = ["AddToGradient", "MTPLayer", "mtp_loss"]
+__all__ = ["AddToGradient", "MTPLayer", "mtp_loss", "mtp_targets"]
 
 
 class AddToGradient(torch.autograd.Function):
@@ -78,25 +81,57 @@ class MTPLayer(nn.Module):
         return self.layer(x)
 
 
-def mtp_loss(model, hidden: torch.Tensor, labels: torch.Tensor):
+def mtp_targets(labels: torch.Tensor, depths: int, cp_size: int = 1, cp_rank: int = 0) -> list:
+    """Per depth k = 1..`depths`: (input ids t_{i+k}, targets t_{i+k+1}, the
+    mask of the positions that have a target), from the whole sequences'
+    `labels` [b, s] (the tokens shifted by one): the labels shifted k - 1 and
+    k places, the last k positions masked. With context parallelism, this
+    context rank's zigzag parts of each (the shift crosses the chunks, so it
+    is taken before the split)."""
+    from ..context_parallel import zigzag_split
+
+    s = labels.shape[1]
+    pos = torch.arange(s, device=labels.device)
+    out = []
+    for k in range(1, depths + 1):
+        ids, tgt = torch.roll(labels, -(k - 1), dims=1), torch.roll(labels, -k, dims=1)
+        out.append((zigzag_split(ids, cp_size, cp_rank, 1), zigzag_split(tgt, cp_size, cp_rank, 1),
+                    zigzag_split(pos < s - k, cp_size, cp_rank, 0)))
+    return out
+
+
+def mtp_loss(model, hidden: torch.Tensor, labels: torch.Tensor, targets: list | None = None):
     """(the scaled MTP loss to train, [L^1 .. L^D] detached) of the model's
     MTP layers for the last hidden states `hidden` [s(/tp), b, h] and
-    `labels` [b, s]."""
+    `labels` [b, s]. With context parallelism (the model's cp_size > 1),
+    `labels` are this rank's zigzag parts and `targets` must be
+    :func:`mtp_targets` of the whole sequences; each depth's loss is then this
+    rank's share of the mean over the b (S - k) targets of the whole length S,
+    times cp (the context ranks' losses and gradients are averaged, as the
+    language model's)."""
     cfg = model.config
-    s = labels.shape[1]
+    cp = getattr(model, "cp_size", 1)
+    if targets is None:
+        if cp > 1:
+            raise ValueError("mtp_loss under context parallelism needs targets=mtp_targets(the "
+                             "whole sequences' labels, depths, cp_size, cp_rank): the shifted "
+                             "tokens cross the zigzag chunks")
+        targets = mtp_targets(labels, len(model.mtp))
+    if len(targets) != len(model.mtp):
+        raise ValueError(f"{len(targets)} MTP targets for {len(model.mtp)} depths")
+    b, s = labels.shape[0], labels.shape[1] * cp  # s: the whole sequence
     losses = []
     h = hidden
-    for k, layer in enumerate(model.mtp, 1):
-        ids = torch.roll(labels, -(k - 1), dims=1)
-        e = model.word_embeddings(ids).transpose(0, 1).contiguous()  # [s, b, h]
+    for (k, layer), (ids, tgt, keep) in zip(enumerate(model.mtp, 1), targets, strict=True):
+        e = model.word_embeddings(ids).transpose(0, 1).contiguous()  # [s/cp, b, h]
         if cfg.sequence_parallel:
             e = mappings.scatter_to_sequence_parallel_region(e, model.group)
         h = layer(h, e)
-        logits = model.output_logits(layer.final_layernorm(h))  # [s, b, V/tp]
-        target = torch.roll(labels, -k, dims=1).transpose(0, 1)
-        per_token = vocab_parallel_cross_entropy(logits.float(), target, group=model.group)
-        keep = (torch.arange(s, device=labels.device) < s - k).to(per_token.dtype)
-        losses.append((per_token * keep.unsqueeze(1)).sum() / (keep.sum() * labels.shape[0]))
+        logits = model.output_logits(layer.final_layernorm(h))  # [s/cp, b, V/tp]
+        per_token = vocab_parallel_cross_entropy(logits.float(), tgt.transpose(0, 1),
+                                                 group=model.group)
+        keep = keep.to(per_token.dtype)
+        losses.append((per_token * keep.unsqueeze(1)).sum() / (b * (s - k) / cp))
     total = torch.stack(losses).sum() * (cfg.mtp_loss_scaling_factor / len(losses))
     return total, [x.detach() for x in losses]
 

@@ -138,7 +138,11 @@ class MoELayer(nn.Module):
             expert_in = mappings.copy_to_tensor_model_parallel_region(x, tp_group)
         s, b, h = expert_in.shape
         tokens = expert_in.reshape(s * b, h)
-        probs, idx, aux = self.router(route_in.reshape(s * b, h), seq_shape=(s, b))
+        # seq_aux_loss: under context parallelism a sequence's tokens are spread
+        # over the context group
+        probs, idx, aux = self.router(route_in.reshape(s * b, h), seq_shape=(s, b),
+                                      seq_group=self.state.context_group
+                                      if self.state.cp_size > 1 else None)
         n = self.token_slices
         if n > 1:  # this rank's experts see slice g of the tokens
             if s % n:

@@ -136,8 +136,12 @@ class Router(nn.Module):
         masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
         return torch.topk(masked, k, dim=-1)
 
-    def forward(self, x: torch.Tensor, seq_shape: tuple | None = None):
-        """`seq_shape`: (s, b) of the tokens x [s * b, h] (needed by seq_aux_loss)."""
+    def forward(self, x: torch.Tensor, seq_shape: tuple | None = None, seq_group=None):
+        """`seq_shape`: (s, b) of the tokens x [s * b, h] (needed by seq_aux_loss).
+        `seq_group`: the ranks holding the other parts of the same b sequences
+        (context parallelism): seq_aux_loss counts the assignments over the whole
+        sequences, and this rank's loss is its share of each sequence's sum of
+        scores times the group's size (the context ranks' gradients are averaged)."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E], fp32
         if self._skew is not None:  # fault injection (MAPP_INJECT_EXPERT_SKEW)
             logits = logits + self._skew
@@ -170,9 +174,16 @@ class Router(nn.Module):
                 raise ValueError(f"seq_aux_loss needs the [s, b] layout of the {T} tokens, got "
                                  f"{seq_shape}")
             s, b = seq_shape
-            counts = torch.zeros(T, E, device=x.device).scatter_(1, idx, 1.0)
-            f = counts.view(s, b, E).sum(0) * (E / (k * s))  # [b, E]
-            aux = aux + self.aux_loss_coeff * (f * full.view(s, b, E).mean(0)).sum(-1).mean()
+            counts = torch.zeros(T, E, device=x.device).scatter_(1, idx, 1.0).view(s, b, E).sum(0)
+            n = seq_group.size() if seq_group is not None else 1
+            if n > 1:  # the whole sequences' assignments (not differentiated)
+                from .. import _collectives
+
+                _collectives.all_reduce_sum_(counts, seq_group)
+            f = counts * (E / (k * s * n))  # [b, E]
+            # this rank's mean score: n x its share of the whole sequence's mean
+            p = full.view(s, b, E).mean(0)
+            aux = aux + self.aux_loss_coeff * (f * p).sum(-1).mean()
         if self.z_loss_coeff and T > 0:
             aux = aux + self.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
         if self.topk_scaling_factor is not None:  # --moe-router-topk-scaling-factor

@@ -719,7 +719,7 @@ class Config:
             raise ConfigError(f"--bucket-size-mb must be positive, got "
                               f"{self.data_parallel.bucket_size_mb}")
         self._check_precision_and_recompute(tp > 1 and par.sequence_parallel)
-        self._check_moe(dp)
+        self._check_moe(dp, cp)
         ck = self.checkpoint
         if ck.save_interval is not None and ck.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {ck.save_interval}")
@@ -743,13 +743,6 @@ class Config:
         par, m = self.parallel, self.model
         if cp == 1:
             return
-        if self.moe.moe_router_load_balancing_type == "seq_aux_loss" and self.moe.num_experts:
-            raise ConfigError("--moe-router-load-balancing-type seq_aux_loss with "
-                              "--context-parallel-size > 1 is not supported yet (a rank holds "
-                              "pieces of each sequence); use aux_loss or drop context parallelism")
-        if m.mtp_num_layers:
-            raise ConfigError("--mtp-num-layers with --context-parallel-size > 1 is not supported "
-                              "yet (the shifted tokens cross the zigzag chunks); drop one of them")
         if m.seq_length % (2 * cp):
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x "
                               f"--context-parallel-size ({2 * cp}): each rank holds two of "
@@ -765,11 +758,8 @@ class Config:
         if m.attention_dropout > 0:
             raise ConfigError("--attention-dropout with --context-parallel-size > 1 is not "
                               "supported (the ring attention has no dropout); set it to 0")
-        if self.moe.num_experts is not None:
-            raise ConfigError("--num-experts with --context-parallel-size > 1 is not supported "
-                              "yet")
 
-    def _check_moe(self, dp: int) -> None:
+    def _check_moe(self, dp: int, cp: int = 1) -> None:
         moe, ep = self.moe, self.moe.expert_model_parallel_size
         if ep < 1:
             raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {ep}")
@@ -783,11 +773,12 @@ class Config:
             raise ConfigError(f"--expert-tensor-parallel-size {etp} must divide "
                               f"--tensor-model-parallel-size {tp} (an expert's shards stay "
                               "within one tensor group)")
-        if (tp // etp * dp) % ep:
+        if (tp // etp * cp * dp) % ep:
             raise ConfigError(f"--expert-model-parallel-size {ep} does not divide "
-                              f"tensor / expert-tensor size ({tp}/{etp}) x data-parallel size "
-                              f"{dp} = {tp // etp * dp}: experts are sharded over data-parallel "
-                              "ranks (and the tensor ranks beyond the expert-tensor size)")
+                              f"tensor / expert-tensor size ({tp}/{etp}) x context-parallel "
+                              f"size {cp} x data-parallel size {dp} = {tp // etp * cp * dp}: "
+                              "experts are sharded over the data- and context-parallel ranks "
+                              "(and the tensor ranks beyond the expert-tensor size)")
         if moe.num_experts % ep:
             raise ConfigError(f"--num-experts {moe.num_experts} is not divisible by "
                               f"--expert-model-parallel-size {ep}")
@@ -797,10 +788,11 @@ class Config:
                               f"expert-tensor-parallel size {etp} "
                               "(--expert-tensor-parallel-size, default the tensor-parallel "
                               "size)")
-        if etp != tp and self.model.seq_length % (tp // etp):
-            raise ConfigError(f"--seq-length {self.model.seq_length} is not divisible by "
-                              f"tensor / expert-tensor size {tp // etp}: each of those tensor "
-                              "ranks routes one slice of the sequence")
+        if etp != tp and (self.model.seq_length // cp) % (tp // etp):
+            raise ConfigError(f"--seq-length {self.model.seq_length}"
+                              + (f" / --context-parallel-size {cp}" if cp > 1 else "")
+                              + f" is not divisible by tensor / expert-tensor size {tp // etp}: "
+                              "each of those tensor ranks routes one slice of the sequence")
         if moe.moe_dispatch_compression not in ("none", "bf16", "fp16") and \
                 not moe.moe_dispatch_compression.startswith("int8"):
             raise ConfigError(f"--moe-dispatch-compression {moe.moe_dispatch_compression!r}: "

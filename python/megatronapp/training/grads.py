@@ -60,9 +60,9 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
             # replicas: the data (x context) ranks
             group = state.data_context_group or state.data_group
             _collectives.coalesced_all_reduce_(dense, group, scale=1.0 / group.size())
-            if experts:  # summed over ep by the dispatcher; over edp here: 1/dp in all
+            if experts:  # summed over ep by the dispatcher; over edp here: 1/(dp cp) in all
                 _collectives.coalesced_all_reduce_(experts, state.expert_data_group_or_data(),
-                                                   scale=1.0 / state.dp_size)
+                                                   scale=1.0 / (state.dp_size * state.cp_size))
     if isinstance(optimizer, MixedPrecisionOptimizer):  # fp32 main gradients (ZeRO: shards)
         pairs = optimizer.grad_shards()
     else:

@@ -155,13 +155,18 @@ class GPTTask:
                     if getattr(m, "mtp", None) is not None), None)
 
         def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
+            depth_targets = None
+            if isinstance(target, tuple):  # context parallelism with MTP (training/step.py)
+                target, depth_targets = target
+                depth_targets = [tuple(t.to(device) for t in d) for d in depth_targets]
             # The cross-entropy runs in fp32 whatever the model's precision (as
             # Megatron without --fp16-lm-cross-entropy).
             loss = vocab_parallel_cross_entropy(
                 logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
                 group=state.tensor_group).mean()
             if mtp is not None and torch.is_grad_enabled():  # trained, reported on its own
-                extra, parts = mtp_loss(mtp, mtp.take_mtp_hidden(), target.to(device))
+                extra, parts = mtp_loss(mtp, mtp.take_mtp_hidden(), target.to(device),
+                                        depth_targets)
                 run.extra.setdefault("mtp_losses", []).append(torch.stack(parts))
                 loss = AddToGradient.apply(loss, extra)
             return loss * scale if scale != 1.0 else loss

@@ -20,6 +20,7 @@ import torch
 
 from .. import trace as tracing
 from ..context_parallel import zigzag_split
+from ..models.mtp import mtp_targets
 from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule, to_device
 from ..tensor_parallel.random import model_parallel_seed
 from .grads import finish_gradients
@@ -77,8 +78,12 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
         if state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
-            micro = [(zigzag_split(x, state.cp_size, state.cp_rank, 1),
-                      zigzag_split(y, state.cp_size, state.cp_rank, 1)) for x, y in micro]
+            cp, r = state.cp_size, state.cp_rank
+            depths = cfg.model.mtp_num_layers if backward else None
+            # MTP's shifted tokens cross the chunks: taken from the whole sequences
+            micro = [(zigzag_split(x, cp, r, 1),
+                      (zigzag_split(y, cp, r, 1), mtp_targets(y, depths, cp, r)) if depths
+                      else zigzag_split(y, cp, r, 1)) for x, y in micro]
     device = run.device
     # fp16: the loss is scaled before backward (the optimizer unscales the
     # gradients); the reported losses are divided back.
@@ -178,8 +183,8 @@ def train_step(run, it: int) -> StepResult:
         grad_norm = finish_gradients(run.chunks, run.optimizer, run.state,
                                      run.config.optim.clip_grad)
         run.optimizer.step()
-        for layer in _moe_layers(run):
-            layer.update_expert_bias(run.state.data_group)  # no-op without an expert bias
+        for layer in _moe_layers(run):  # the load of every token: the data x context ranks'
+            layer.update_expert_bias(run.state.data_context_group or run.state.data_group)
     return StepResult(loss, grad_norm, lr, mtp)
 
 
@@ -197,7 +202,8 @@ def _mtp_losses(run) -> list | None:
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
     micro = run.config.optim.global_batch_size // run.config.optim.micro_batch_size
-    return (total / micro).tolist()
+    # (each context rank's share is its part of the mean, times cp)
+    return (total / (micro * state.cp_size)).tolist()
 
 
 def evaluate(run, metric=None) -> list:
