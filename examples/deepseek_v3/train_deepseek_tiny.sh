@@ -6,6 +6,10 @@
 # the expert bias, weights x 2.5) and a shared expert, one MTP depth, ZeRO-1,
 # on the bundled corpus with the byte tokenizer. A few minutes on 2 cores:
 #   examples/deepseek_v3/train_deepseek_tiny.sh
+# Long sequences: split each over two ranks instead of the data ranks (the
+# experts then spread over the context pair; MTP and the balance losses work
+# under it):
+#   examples/deepseek_v3/train_deepseek_tiny.sh --context-parallel-size 2
 NPROC="${NPROC:-4}"
 source "$(dirname "$0")/../llama/common.sh"
 MODEL=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 256 --num-attention-heads 4
