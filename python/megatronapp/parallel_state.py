@@ -130,7 +130,11 @@ class ParallelState:
         return [g for g in groups if g is not None and g.size() > 1]
 
     def expert_data_group_or_data(self) -> dist.ProcessGroup:
-        return self.expert_data_group if self.expert_data_group is not None else self.data_group
+        """The ranks holding this rank's experts: the expert-data group of an
+        expert grid, else every data (x context) rank, as for dense weights."""
+        if self.expert_data_group is not None:
+            return self.expert_data_group
+        return self.data_context_group or self.data_group
 
     @property
     def tp_rank(self) -> int:
