@@ -774,11 +774,12 @@ class Config:
                               f"--tensor-model-parallel-size {tp} (an expert's shards stay "
                               "within one tensor group)")
         if (tp // etp * cp * dp) % ep:
+            ctx = f" x context-parallel size {cp}" if cp > 1 else ""
             raise ConfigError(f"--expert-model-parallel-size {ep} does not divide "
-                              f"tensor / expert-tensor size ({tp}/{etp}) x context-parallel "
-                              f"size {cp} x data-parallel size {dp} = {tp // etp * cp * dp}: "
-                              "experts are sharded over the data- and context-parallel ranks "
-                              "(and the tensor ranks beyond the expert-tensor size)")
+                              f"tensor / expert-tensor size ({tp}/{etp}){ctx} x data-parallel "
+                              f"size {dp} = {tp // etp * cp * dp}: experts are sharded over "
+                              "data-parallel ranks (the context ranks' too) and the tensor "
+                              "ranks beyond the expert-tensor size")
         if moe.num_experts % ep:
             raise ConfigError(f"--num-experts {moe.num_experts} is not divisible by "
                               f"--expert-model-parallel-size {ep}")
