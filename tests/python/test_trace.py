@@ -223,9 +223,16 @@ def test_online_detection_warns_during_training(tmp_path):
                                        "--trace-detect-interval", "10"], str(tmp_path), env)
     reports = stats[0]["detections"]
     assert [r["iterations"] for r in reports] == [list(range(10)), list(range(10, 20))]
+    # The first window holds the first iterations' one-time costs: there the
+    # detector may answer "not enough evidence" (seen once in a full suite on
+    # warm ranks), never another rank; the second window must name rank 1.
     for r in reports:
-        assert r["suspects"] and r["suspects"][0]["rank"] == 1, reports
+        if not r["suspects"]:
+            assert r is reports[0] and r["verdict"] == "insufficient", reports
+            continue
+        assert r["suspects"][0]["rank"] == 1, reports
         assert r["suspects"][0]["cause"] == "compute (backward)"
+    assert reports[1]["suspects"], reports
 
 
 @pytest.mark.timeout(600)
