@@ -136,16 +136,22 @@ def run_trial_warm(cfg: dict, inject: dict | None, iters: int, out: str) -> floa
     here for the duration of the trial."""
     from dist_harness import run_ranks
 
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(_inject_env(inject))
+    keys = ("MAPP_INJECT_SLOWDOWN", "MAPP_INJECT_LINK_DELAY", "OMP_NUM_THREADS")
+    saved = {k: os.environ.get(k) for k in keys}
+    env = _inject_env(inject)
+    for k in keys:
+        os.environ.pop(k, None)
+        if k in env:
+            os.environ[k] = env[k]
     try:
         t0 = time.perf_counter()
         run_ranks(_trial_body, 4, trial_flags(cfg, iters, out), timeout=600)
         return time.perf_counter() - t0
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def judge(trace_dir: str, iters: int, warmup: int) -> dict:

@@ -80,10 +80,12 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
         if state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
             cp, r = state.cp_size, state.cp_rank
             depths = cfg.model.mtp_num_layers if backward else None
-            # MTP's shifted tokens cross the chunks: taken from the whole sequences
-            micro = [(zigzag_split(x, cp, r, 1),
-                      (zigzag_split(y, cp, r, 1), mtp_targets(y, depths, cp, r)) if depths
-                      else zigzag_split(y, cp, r, 1)) for x, y in micro]
+
+            def target(y):  # MTP's shifted tokens cross the chunks: from the whole sequences
+                part = zigzag_split(y, cp, r, 1)
+                return (part, mtp_targets(y, depths, cp, r)) if depths else part
+
+            micro = [(zigzag_split(x, cp, r, 1), target(y)) for x, y in micro]
     device = run.device
     # fp16: the loss is scaled before backward (the optimizer unscales the
     # gradients); the reported losses are divided back.
