@@ -461,17 +461,27 @@ def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
     def truncate(p):
         p.write_bytes(p.read_bytes()[:100])
 
+    # The C++ side on one rank (no launcher): it reshards, so it reads every
+    # rank's file, rank0's among them.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               CUDA_VISIBLE_DEVICES="")
+
+    def one_rank(argv):
+        env["MASTER_PORT"] = str(free_port())
+        return subprocess.run([TRAIN_GPT, *argv], env=env, capture_output=True, text=True,
+                              timeout=120)
+
     for d, want in ((broken("flipped", flip), "checksum mismatch in tensor"),
                     (broken("truncated", truncate), "not a readable safetensors file")):
-        r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--load", str(d)])
+        r = one_rank([*base, "--load", str(d)])
         assert r.returncode != 0 and want in r.stderr and "rank0.safetensors" in r.stderr, \
             r.stderr[-2000:]
         r = _pretrain(4, [*common,
                           "--no-progress", "--eval-iters", "0", "--output-dir",
                           str(tmp_path / "x"), "--load", str(d)])
         assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
-    other = [f if f != "64" else "32" for f in common]  # --hidden-size 32
-    r = _torchrun(4, ["--no-python", TRAIN_GPT, *other, "--load", str(tmp_path / "cck")])
+    other = [f if f != "64" else "32" for f in base]  # --hidden-size 32
+    r = one_rank([*other, "--load", str(tmp_path / "cck")])
     assert r.returncode != 0 and "checkpoint from an incompatible model: " in r.stderr \
         and " hidden_size = 64 in the checkpoint, 32 here" in r.stderr, r.stderr[-2000:]
 
