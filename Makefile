@@ -116,7 +116,8 @@ test-cpp:
 
 test-python: peers
 	@mkdir -p $(REPORTS)
-	$(PY) -m pytest -q tests/python tests/gpu --junitxml=$(REPORTS)/pytest.xml
+	MAPP_TEST_POOL_LOG=$(REPORTS)/pools.log \
+	  $(PY) -m pytest -q tests/python tests/gpu --junitxml=$(REPORTS)/pytest.xml
 
 # ---- release ----------------------------------------------------------------
 # dist/: an sdist and a manylinux wheel (auditwheel repair; torch/CUDA excluded).

@@ -18,6 +18,9 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_GLOB = os.path.join(ROOT, "build", "test-reports", "*.xml")
+#: tests/python/dist_harness.py's cold starts of warm-rank pools (make test sets
+#: MAPP_TEST_POOL_LOG to it): a cold pool of N ranks costs ~3 s per rank here
+POOL_LOG = os.path.join(ROOT, "build", "test-reports", "pools.log")
 
 
 def cases(path: str):
@@ -42,6 +45,20 @@ def cases(path: str):
         yield where, name, float(case.get("time", 0) or 0), outcome
 
 
+def cold_starts(path: str) -> None:
+    """How many warm-rank pools had to start cold, by world size and why."""
+    with open(path) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f if line.count("\t") == 2]
+    by_world = collections.Counter(int(w) for w, _, _ in rows)
+    ranks = sum(w * n for w, n in by_world.items())
+    print(f"\n== {len(rows)} cold pool starts ({ranks} ranks spawned): "
+          + ", ".join(f"{n} of {w}" for w, n in sorted(by_world.items())))
+    reasons = collections.Counter(why.split(" after ")[0] if why.startswith("retired")
+                                  else why for _, why, _ in rows)
+    for why, n in reasons.most_common(8):
+        print(f"{n:8d}  {why}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="*", help=f"JUnit XML files (default {DEFAULT_GLOB})")
@@ -63,6 +80,8 @@ def main(argv=None) -> int:
     print("\n== time per file")
     for where, t in sorted(per_file.items(), key=lambda kv: -kv[1]):
         print(f"{t:8.1f} s  {where}")
+    if os.path.exists(POOL_LOG):
+        cold_starts(POOL_LOG)
     total = sum(per_file.values())
     print(f"\n{len(rows)} tests ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}), "
           f"{total:.0f} s of test time in {len(paths)} report(s)")

@@ -61,7 +61,7 @@ _TEARDOWN_S = 60.0
 #: loop and worker threads) would otherwise pile up over hundreds of bodies
 _MAX_THREADS = int(os.environ.get("MAPP_TEST_WARM_RANK_THREADS_MAX", "64"))
 #: at most this many warm ranks are kept (least recently used pools retire)
-_MAX_WARM_RANKS = int(os.environ.get("MAPP_TEST_WARM_RANKS_MAX", "12"))
+_MAX_WARM_RANKS = int(os.environ.get("MAPP_TEST_WARM_RANKS_MAX", "20"))
 
 
 def free_port() -> int:
@@ -376,6 +376,19 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+#: why the last pool of each world size went away (for the cold-start log)
+_GONE: dict[int, str] = {}
+
+
+def _log_cold_start(world: int, why: str) -> None:
+    """One line per cold pool start in $MAPP_TEST_POOL_LOG (make test sets it;
+    tests/durations.py sums it up): the world size, why it was cold, the test."""
+    path = os.environ.get("MAPP_TEST_POOL_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(f"{world}\t{why}\t{test}\n")
 
 
 def _pool(world: int) -> _Pool:
@@ -383,10 +396,14 @@ def _pool(world: int) -> _Pool:
     if pool is not None and not pool.alive():
         pool.close(kill=True)
         pool = None
+        _GONE[world] = "died"
     if pool is None:
         # least recently used first: retire until the new one fits
         while _POOLS and sum(_POOLS) + world > _MAX_WARM_RANKS:
-            _POOLS.pop(next(iter(_POOLS))).close()
+            old = next(iter(_POOLS))
+            _POOLS.pop(old).close()
+            _GONE[old] = f"evicted for world {world}"
+        _log_cold_start(world, _GONE.pop(world, "first"))
         pool = _Pool(world)
     _POOLS[world] = pool  # most recently used last
     return pool
@@ -414,6 +431,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, fresh: bool = 
         elif not keep:
             _POOLS.pop(world_size, None)
             pool.close(kill=True)
+            _GONE[world_size] = f"retired after {getattr(fn, '__qualname__', fn)}"
     if errors:
         _raise(errors)
     return [results[r] for r in range(world_size)]
