@@ -415,31 +415,53 @@ def _mtp_reference(hf_dir: str, ids, labels) -> float:
     return ce[:, :-1].mean().item()
 
 
-def _our_mtp_loss(rank, world, ckpt, tp, ep, etp):
+def _our_mtp_loss(rank, world, ckpt, tp, pp, ep, etp):
+    """(MTP depths, per-depth losses) on the last stage, None elsewhere: the
+    main model's stages pass their activations forward, the last one runs
+    the MTP depths with its own copy of the embedding."""
+    import torch.distributed as dist
+
     import megatronapp
+    from megatronapp import parallel_state as ps
     from megatronapp.models.mtp import mtp_loss
 
-    state = megatronapp.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
+    state = megatronapp.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
                                                   expert_tensor_parallel_size=etp)
     model = _our_model(ckpt, state)
     ids = _ids()
-    model(ids)
-    _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
+    with torch.no_grad():
+        if state.pp_rank == 0:
+            x = model(ids)
+        else:
+            x = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
+            dist.recv(x, ps.get_pipeline_model_parallel_prev_rank())
+            x = model(x)
+        if state.pp_rank < pp - 1:
+            dist.send(x.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None
+        _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
     return model.config.mtp_num_layers, [x.item() for x in losses]
 
 
 def test_deepseek_mtp_depths_import_and_export(hf_dirs, tmp_path):
     """DeepSeek's released layout of its MTP depth: imported (TP2 x EP2 with
     whole experts) its loss equals the transformers-module reference within
-    1e-5 (fp32, as the logits above); exported, every tensor (the embedding / head copies too)
-    comes back bit for bit."""
+    1e-5 (fp32, as the logits above), and so it does split over two
+    pipeline stages (the depth on the last one, with its own embedding copy);
+    exported, every tensor (the embedding / head copies too) comes back bit
+    for bit."""
     from megatronapp.convert import export_hf
 
     src = _with_mtp(hf_dirs["deepseek_v3"][0], str(tmp_path / "hf_mtp"))
     ids = _ids()
     want = _mtp_reference(src, ids, torch.roll(ids, -1, dims=1))
+    _import(src, str(tmp_path / "ckpt_pp2"), 1, 2, 1)
+    got = run_ranks(_our_mtp_loss, 2, str(tmp_path / "ckpt_pp2"), 1, 2, 1, None)
+    assert got[0] is None  # the first stage has no MTP depth
+    depths, losses = got[1]
+    assert depths == 1 and abs(losses[0] - want) < 1e-5, ("pp2", losses, want)
     ckpt = _import(src, str(tmp_path / "ckpt"), 2, 1, 2, etp=1)
-    for depths, losses in run_ranks(_our_mtp_loss, 2, ckpt, 2, 2, 1):
+    for depths, losses in run_ranks(_our_mtp_loss, 2, ckpt, 2, 1, 2, 1):
         assert depths == 1 and abs(losses[0] - want) < 1e-5, (losses, want)
     out = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf_out"))
     assert json.load(open(os.path.join(out, "config.json")))["num_nextn_predict_layers"] == 1

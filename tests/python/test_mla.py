@@ -217,14 +217,19 @@ DEEPSEEK_MOE = DEEPSEEK + ["--num-experts", "8", "--moe-router-topk", "2",
 CP2 = ["--context-parallel-size", "2"]
 
 
-def test_deepseek_moe_block_under_ep2_tp2_and_cp2_matches_one_rank(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek_moe_ref(tmp_path_factory):
+    return run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path_factory.mktemp("moe_ref")))[0]
+
+
+def test_deepseek_moe_block_under_ep2_tp2_and_cp2_matches_one_rank(deepseek_moe_ref, tmp_path):
     """Dense first layer, sigmoid scores with the bias, node-limited routing,
     shared experts, top-k scaling and the sequence-wise balance loss: EP2,
     TP2 x SP, TP2 x SP with whole experts spread over the tensor pair
     (--expert-tensor-parallel-size 1, DeepSeek-V3's Megatron layout), CP2
     (the balance loss over the whole sequences), EP2 over the context pair,
     and TP2 x SP x CP2 (all-to-all) x EP2 compute what one rank does."""
-    one = run_ranks(_train, 1, DEEPSEEK_MOE, str(tmp_path / "a"))[0]
+    one = deepseek_moe_ref
     for world, extra in ((2, ["--expert-model-parallel-size", "2"]),
                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -444,6 +449,31 @@ def test_deepseek_block_with_int8_gradients_and_in_bf16(deepseek_ref, tmp_path):
                      str(tmp_path / "bf16"))[0]
     for g, w in zip(bf16, deepseek_ref, strict=True):
         assert abs(g - w) / w < 0.02, (bf16, deepseek_ref)
+
+
+def test_deepseek_moe_block_with_zero1_int8_and_in_bf16(deepseek_moe_ref, tmp_path):
+    """The MoE block (experts, shared expert, expert bias, seq_aux) under
+    DP2 x EP2 with ZeRO-1 over both the dense and the expert data groups and
+    int8 gradients in both (lossy: the first step exact, then close), and in
+    bf16 under TP2 x SP with whole experts over the tensor pair (within 2% of
+    fp32)."""
+    ref = deepseek_moe_ref
+    got = run_ranks(_train, 4, DEEPSEEK_MOE + ["--expert-model-parallel-size", "2",
+                                               "--use-distributed-optimizer",
+                                               "--grad-compression", "int8"],
+                    str(tmp_path / "int8"))
+    for losses in got:
+        assert losses == got[0]  # every rank reports the global batch's loss
+    assert abs(got[0][0] - ref[0]) < 1e-5
+    assert all(abs(g - w) < 1e-2 for g, w in zip(got[0], ref, strict=True)), (got[0], ref)
+    bf16 = run_ranks(_train, 2, DEEPSEEK_MOE + ["--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel", "--bf16",
+                                                "--expert-tensor-parallel-size", "1",
+                                                "--expert-model-parallel-size", "2"],
+                     str(tmp_path / "bf16"))[0]
+    for g, w in zip(bf16, ref, strict=True):
+        assert abs(g - w) / w < 0.02, (bf16, ref)
+    assert bf16[-1] < bf16[0]
 
 
 def _count(rank, world):
