@@ -1,6 +1,8 @@
 """The training edge: one step path for every layout, checks before any
 collective, the generated command line, and the hook protocol."""
 
+import os
+
 import pytest
 
 from dist_harness import run_ranks
@@ -160,13 +162,68 @@ def test_tensorboard_hook_writes_the_loss_curve(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"lm-loss", "learning-rate", "grad-norm", "throughput/tokens-per-s",
-            "validation/lm-loss"} <= tags
+            "throughput/tflops-per-rank", "validation/lm-loss"} <= tags
     assert any(t.startswith("memory/") for t in tags)
     losses = [e.value for e in acc.Scalars("lm-loss")]
     assert [e.step for e in acc.Scalars("lm-loss")] == [1, 2, 3]
     assert losses == pytest.approx(summary["losses"], rel=1e-6)
     norms = [e.value for e in acc.Scalars("grad-norm")]
     assert norms == pytest.approx([h["grad_norm"] for h in summary["history"]], rel=1e-6)
+
+
+def _wandb(rank, world, out_dir, save_dir):
+    import os
+
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import train
+
+    os.environ["WANDB_MODE"] = "offline"  # no network, no account (the harness restores it)
+    os.environ["WANDB_SILENT"] = "true"
+    args = build_parser().parse_args(FLAGS + ["--output-dir", out_dir, "--wandb-project", "mapp",
+                                              "--wandb-exp-name", "tp2", "--wandb-save-dir",
+                                              save_dir, "--eval-interval", "2",
+                                              "--tensor-model-parallel-size", "2"])
+    return train(args)
+
+
+def _wandb_history(save_dir):
+    """The scalars of the offline run W&B wrote under `save_dir`, step by step,
+    and its config (read from the run's record file, as `wandb sync` does)."""
+    import glob
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    (path,) = glob.glob(os.path.join(save_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    ds = datastore.DataStore()
+    ds.open_for_scan(path)
+    steps, config = {}, {}
+    while (data := ds.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                     for i in rec.history.item}
+            steps.setdefault(items.get("_step"), {}).update(items)
+        elif kind == "config":
+            for i in rec.config.update:
+                config[i.key] = json.loads(i.value_json)
+    return steps, config
+
+
+def test_wandb_logs_the_scalars_offline(tmp_path):
+    """--wandb-project with WANDB_MODE=offline (TP2, 2 ranks): only the
+    logger rank writes a run; each iteration's loss, learning rate and
+    throughput are the summary's; the validation loss and the flags are there."""
+    summary = run_ranks(_wandb, 2, str(tmp_path / "out"), str(tmp_path / "wb"))[0]
+    steps, config = _wandb_history(str(tmp_path / "wb"))
+    for i, h in enumerate(summary["history"], 1):
+        assert steps[i]["lm-loss"] == h["loss"] and steps[i]["learning-rate"] == h["lr"]
+        assert steps[i]["throughput/tflops-per-rank"] == h["tflops_per_rank"]
+    assert "validation/lm-loss" in steps[2]
+    assert config["tensor_model_parallel_size"]["value"] == 2
 
 
 def _custom_hook(rank, world, out_dir):

@@ -252,45 +252,79 @@ class GPTConfig:
         layer = min(layer, self.num_layers - 1)  # MTP layers are the last layer's kind
         return bool(moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer])
 
-    def num_parameters(self, active: bool = False) -> int:
-        """All parameters; with ``active``, those one token uses (MoE layers
-        count the router and top-k experts)."""
-        h, f, v, s, n = (self.hidden_size, self.ffn_hidden_size, self.vocab_size,
-                         self.seq_length, self.num_layers)
+    def _layer_weights(self, i: int, active: bool) -> tuple[int, int]:
+        """(matrix weights, other parameters: norms, biases) of global layer
+        ``i`` (``num_layers``: an MTP depth's layer); with ``active``, what one
+        token uses (a MoE layer's router and top-k experts)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
         d, heads, ng = self.kv_channels, self.num_attention_heads, self.num_query_groups
-        norm = h if self.normalization == "RMSNorm" else 2 * h
+        rms = self.normalization == "RMSNorm"
+        norm = h if rms else 2 * h
         bias = self.add_bias_linear
         qkv_out = (heads + 2 * ng) * d
-        attn = 2 * norm + qkv_out * h + (qkv_out if self.qkv_bias else 0) \
-            + heads * d * h + (h if bias else 0)
+        mats = qkv_out * h + heads * d * h
+        other = 2 * norm + (qkv_out if self.qkv_bias else 0) + (h if bias else 0)
         if self.qk_layernorm:
-            attn += 2 * (d if self.normalization == "RMSNorm" else 2 * d)
+            other += 2 * (d if rms else 2 * d)
         if self.multi_latent_attention:
             qd, r, pe, vd = (self.qk_head_dim, self.kv_lora_rank, self.qk_pos_emb_head_dim,
                              self.v_head_dim)
             rq = self.q_lora_rank
-            q = h * heads * (qd + pe) if rq is None else \
-                h * rq + rq * heads * (qd + pe) + (rq if self.normalization == "RMSNorm" else 2 * rq)
-            attn = 2 * norm + q + h * (r + pe) + (r if self.normalization == "RMSNorm" else 2 * r) \
-                + r * heads * (qd + vd) + heads * vd * h + (h if bias else 0)
+            q = h * heads * (qd + pe) if rq is None else h * rq + rq * heads * (qd + pe)
+            mats = q + h * (r + pe) + r * heads * (qd + vd) + heads * vd * h
+            other = 2 * norm + (r if rms else 2 * r) + (h if bias else 0)
+            if rq is not None:
+                other += rq if rms else 2 * rq
         gate = 2 if self.swiglu else 1
 
         def mlp(width, with_bias):
-            return gate * h * width + width * h + ((gate * width + h) if with_bias else 0)
-        def layer(i):
-            if not self.is_moe_layer(i):
-                return attn + mlp(f, bias)
-            experts = self.moe_router_topk if active else self.num_experts
-            out = attn + self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size, False)
-            if self.moe_shared_expert_intermediate_size:
-                out += mlp(self.moe_shared_expert_intermediate_size, bias)
-            return out
-        total = sum(layer(i) for i in range(n))
+            return gate * h * width + width * h, (gate * width + h) if with_bias else 0
+
+        if not self.is_moe_layer(i):
+            m, o = mlp(f, bias)
+            return mats + m, other + o
+        experts = self.moe_router_topk if active else self.num_experts
+        m, _ = mlp(self.moe_ffn_hidden_size, False)
+        mats += self.num_experts * h + experts * m  # the router, the experts
+        if self.moe_shared_expert_intermediate_size:
+            m, o = mlp(self.moe_shared_expert_intermediate_size, bias)
+            mats, other = mats + m, other + o
+        return mats, other
+
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters; with ``active``, those one token uses (MoE layers
+        count the router and top-k experts)."""
+        h, v, s, n = self.hidden_size, self.vocab_size, self.seq_length, self.num_layers
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        total = sum(sum(self._layer_weights(i, active)) for i in range(n))
         if self.mtp_num_layers:  # per depth: 3 norms, the 2h -> h projection, a layer
-            total += self.mtp_num_layers * (3 * norm + 2 * h * h + layer(n))
+            total += self.mtp_num_layers * (3 * norm + 2 * h * h
+                                            + sum(self._layer_weights(n, active)))
         out = 0 if self.share_embeddings_and_output_weights else v * h
         pos = s * h if self.position_embedding_type == "learned_absolute" else 0
         return v * h + pos + total + norm + out
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs of one token's forward pass, as Megatron-LM counts them
+        for its TFLOP/s and MFU: 2 per multiply-add of every matrix the token
+        passes through (a MoE layer's router and top-k experts; the output
+        layer), and the attention scores and their values over the whole
+        sequence, 2 s heads (qk + v channels) per layer (not halved for the
+        causal mask). Norms, biases, activations and the softmax are not
+        counted. Forward plus backward is three times this; recomputation is
+        not counted (model FLOPs, not hardware FLOPs)."""
+        h, s, n, heads = self.hidden_size, self.seq_length, self.num_layers, self.num_attention_heads
+        if self.multi_latent_attention:
+            qk, v = self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
+        else:
+            qk = v = self.kv_channels
+        core = 2 * s * heads * (qk + v)
+        head = 2 * self.vocab_size * h
+        total = sum(2 * self._layer_weights(i, True)[0] + core for i in range(n)) + head
+        if self.mtp_num_layers:  # per depth: the projection, a layer, the output layer
+            total += self.mtp_num_layers * (2 * 2 * h * h + 2 * self._layer_weights(n, True)[0]
+                                            + core + head)
+        return float(total)
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

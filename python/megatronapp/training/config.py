@@ -31,6 +31,7 @@ from ..pipeline import SCHEDULES, make_schedule
 from ..pipeline.fbd import FBDLayout, parse_ratio, program
 from ..pipeline.layout import layer_layout, parse_layout
 from ..tensor_parallel.random import check_recompute
+from .lr_schedule import DECAY_STYLES, WSD_STYLES, check_lr_schedule, resolve_train_iters
 
 __all__ = ["Config", "Plan", "ConfigError", "build_parser", "SECTIONS"]
 
@@ -377,8 +378,32 @@ class OptimConfig:
     micro_batch_size: int = _flag(4, "samples per microbatch")
     global_batch_size: int = _flag(16, "samples per iteration over all data-parallel ranks")
     lr: float = _flag(3e-3, "peak learning rate")
-    min_lr: float = _flag(3e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _flag(3e-4, "learning rate at the end of the decay")
     lr_warmup_iters: int = _flag(10, "linear warm-up iterations")
+    lr_decay_style: str = _flag(
+        "cosine", "after the warm-up (megatronapp.training.lr_schedule): constant, linear or "
+        "cosine to --min-lr, inverse-square-root, or WSD (warm-up, stable, then an anneal "
+        "over the last --lr-wsd-decay-iters)", choices=DECAY_STYLES)
+    lr_decay_iters: int | None = _flag(
+        None, "iterations of the decay, counted from the start (default: --train-iters); "
+        "--min-lr after them", metavar="N")
+    lr_warmup_fraction: float | None = _flag(
+        None, "warm-up as a fraction of the decay (instead of --lr-warmup-iters/-samples)",
+        metavar="F")
+    lr_warmup_init: float = _flag(0.0, "the learning rate the warm-up starts from")
+    lr_wsd_decay_style: str = _flag(
+        "exponential", "the shape of WSD's final anneal", choices=WSD_STYLES)
+    lr_wsd_decay_iters: int | None = _flag(
+        None, "WSD: iterations of the final anneal (the end of the decay)", metavar="N")
+    train_samples: int | None = _flag(
+        None, "count the run in samples instead of --train-iters: train_samples // "
+        "--global-batch-size iterations, and the schedule in samples", metavar="N")
+    lr_decay_samples: int | None = _flag(
+        None, "--train-samples: samples of the decay (default: --train-samples)", metavar="N")
+    lr_warmup_samples: int | None = _flag(
+        None, "--train-samples: samples of the linear warm-up (default 0)", metavar="N")
+    lr_wsd_decay_samples: int | None = _flag(
+        None, "--train-samples, WSD: samples of the final anneal", metavar="N")
     weight_decay: float = _flag(0.01, "AdamW weight decay (matrices only)")
     optimizer_impl: str = _flag(
         "torch", "AdamW's implementation: torch (torch.optim.AdamW, its per-tensor loop) or "
@@ -442,6 +467,17 @@ class LoggingConfig:
     tensorboard_dir: str | None = _flag(
         None, "write TensorBoard scalars (loss, lr, grad norm, tokens/s, memory) here",
         metavar="DIR")
+    wandb_project: str | None = _flag(
+        None, "log the scalars to Weights & Biases under this project (pip install wandb; "
+        "WANDB_MODE=offline needs no network)", metavar="P")
+    wandb_exp_name: str | None = _flag(None, "the W&B run's name", metavar="NAME")
+    wandb_save_dir: str | None = _flag(
+        None, "where W&B writes its files (default: OUTPUT_DIR/wandb)", metavar="DIR")
+    wandb_entity: str | None = _flag(None, "the W&B team or user", metavar="E")
+    peak_tflops: float | None = _flag(
+        None, "the rank's peak dense TFLOP/s, for MFU in the logs (default: the GPU's BF16 "
+        "peak: H100/H200 989, B200 2250; none on a CPU, where only TFLOP/s is shown)",
+        metavar="T")
     scope_port: int | None = _flag(
         None, "serve MegaScope on this port from rank 0 while training (0: any free port, "
         "written to OUTPUT_DIR/scope.port); docs/scope.md", metavar="P")
@@ -461,6 +497,10 @@ class CheckpointConfig:
         30.0, "declare a rank dead after S seconds without heartbeat; exit non-zero",
         metavar="S")
     no_watchdog: bool = _flag(False, "no dead-rank watchdog")
+    override_opt_param_scheduler: bool = _flag(
+        False, "--load: run this command line's learning-rate schedule even where it differs "
+        "from the checkpoint's (without it, a difference stops the run, as in Megatron-LM)",
+        aliases=("--override-opt_param-scheduler",))
 
 
 @dataclass
@@ -656,6 +696,8 @@ class Config:
                             ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        check_lr_schedule(o, self.explicit, ConfigError)
+        resolve_train_iters(o)
         for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),
                             ("--eval-interval", o.eval_interval),
                             ("--grad-compression-start-iter",
@@ -996,10 +1038,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         hints = typing.get_type_hints(section)
         for f in dataclasses.fields(section):
             meta = dict(f.metadata)
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", ())]
             kind = _argparse_type(hints[f.name])
             if kind is bool:
-                group.add_argument(flag, action="store_true", help=meta.pop("help"))
+                group.add_argument(*flags, action="store_true", help=meta.pop("help"))
             else:
-                group.add_argument(flag, type=kind, default=f.default, **meta)
+                group.add_argument(*flags, type=kind, default=f.default, **meta)
     return p

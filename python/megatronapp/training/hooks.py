@@ -266,14 +266,15 @@ class ProgressHook(Hook):
             return
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}")
+                                 tok_s=f"{record['tokens_per_s']:,.0f}", **_rate_postfix(record))
             self.bar.update(1)
         elif (it + 1) % self.cfg.log_interval == 0 or it == run.start_iteration:
             mtp = "".join(f" | mtp_{k + 1} loss {x:.4f}"
                           for k, x in enumerate(record.get("mtp_losses") or ()))
             print(f"iteration {it + 1:6d}/{run.config.optim.train_iters} | loss "
                   f"{record['loss']:.4f}{mtp} | lr {record['lr']:.2e} | grad norm "
-                  f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tokens/s", flush=True)
+                  f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tokens/s"
+                  f"{_rate_text(record)}", flush=True)
 
     def on_end(self, run, summary):
         self.close()
@@ -290,7 +291,8 @@ class ProgressHook(Hook):
             print(f"[megatronapp] done: {len(summary['history'])} iterations in "
                   f"{summary['wall_seconds']:.1f}s, loss {summary['first_loss']:.3f} -> "
                   f"{summary['final_loss']:.3f}{valid}, "
-                  f"{summary['tokens_per_s']:,.0f} tokens/s; loss curve in {out}/loss.csv and "
+                  f"{summary['tokens_per_s']:,.0f} tokens/s{_rate_text(summary, ',')}; loss "
+                  f"curve in {out}/loss.csv and "
                   f"loss.png", flush=True)
         else:
             print(f"[megatronapp] nothing to train: already at iteration "
@@ -357,7 +359,8 @@ def write_outputs(out_dir: str, history: list, summary: dict) -> None:
 
 class TensorBoardHook(Hook):
     """--tensorboard-dir DIR (rank 0): scalars per iteration — loss, lr, grad
-    norm, tokens/s, memory (the pool's allocated bytes when it is on, else the
+    norm, tokens/s, TFLOP/s per rank and MFU (training/throughput.py), memory
+    (the pool's allocated bytes when it is on, else the
     process's peak RSS) — and the validation loss."""
 
     def __init__(self, log_dir: str):
@@ -373,13 +376,8 @@ class TensorBoardHook(Hook):
     def on_iteration_end(self, run, it, record):
         if self.writer is None:
             return
-        step = it + 1
-        for key, tag in (("loss", "lm-loss"), ("lr", "learning-rate"),
-                         ("grad_norm", "grad-norm"), ("tokens_per_s", "throughput/tokens-per-s"),
-                         ("seconds", "iteration-time")):
-            self.writer.add_scalar(tag, record[key], step)
-        for tag, value in _memory_scalars(run).items():
-            self.writer.add_scalar(tag, value, step)
+        for tag, value in iteration_scalars(run, record).items():
+            self.writer.add_scalar(tag, value, it + 1)
 
     def on_evaluate(self, run, it, valid_loss):
         if self.writer is not None:
@@ -389,6 +387,85 @@ class TensorBoardHook(Hook):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+#: record key -> the loggers' tag (TensorBoard, W&B)
+SCALARS = (("loss", "lm-loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+           ("tokens_per_s", "throughput/tokens-per-s"), ("seconds", "iteration-time"),
+           ("tflops_per_rank", "throughput/tflops-per-rank"), ("mfu", "throughput/mfu"))
+
+
+def iteration_scalars(run, record) -> dict:
+    """{tag: value} of one iteration for the loggers: the record's scalars,
+    each MTP depth's loss and the memory in use."""
+    out = {tag: record[key] for key, tag in SCALARS if key in record}
+    for k, x in enumerate(record.get("mtp_losses") or ()):
+        out[f"mtp_{k + 1}-loss"] = x
+    out.update(_memory_scalars(run))
+    return out
+
+
+class WandbHook(Hook):
+    """--wandb-project P (the logger rank): the same scalars as TensorBoard,
+    the validation loss, and the run's flags as the W&B config. ``wandb`` is
+    an optional dependency (``pip install megatronapp[wandb]``); with
+    ``WANDB_MODE=offline`` it writes under --wandb-save-dir and needs no
+    network or account (``wandb sync`` uploads later)."""
+
+    def __init__(self, logging):
+        self.cfg = logging
+        self.run = None
+
+    def on_start(self, run):
+        if not run.is_logger:
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise SystemExit("--wandb-project needs the wandb package: pip install wandb "
+                             "(or megatronapp[wandb])") from None
+        save_dir = self.cfg.wandb_save_dir or os.path.join(self.cfg.output_dir, "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_exp_name,
+                              entity=self.cfg.wandb_entity, dir=save_dir,
+                              config=run.config.flat(), reinit="finish_previous")
+
+    def on_iteration_end(self, run, it, record):
+        if self.run is not None:
+            self.run.log(iteration_scalars(run, record), step=it + 1)
+
+    def on_evaluate(self, run, it, valid_loss):
+        if self.run is not None:
+            self.run.log({"validation/lm-loss": valid_loss}, step=it)
+
+    def on_end(self, run, summary):
+        if self.run is not None:
+            self.run.summary.update({k: v for k, v in summary.items()
+                                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+    def close(self, error=None):
+        if self.run is not None:
+            self.run.finish(exit_code=1 if error is not None else 0)
+            self.run = None
+
+
+def _rate_text(record, sep: str = " |") -> str:
+    """' | 12.3 TFLOP/s/rank | MFU 41.2%' of what the record knows."""
+    out = ""
+    if "tflops_per_rank" in record:
+        out += f"{sep} {record['tflops_per_rank']:.3g} TFLOP/s/rank"
+    if "mfu" in record:
+        out += f"{sep} MFU {100 * record['mfu']:.1f}%"
+    return out
+
+
+def _rate_postfix(record) -> dict:
+    out = {}
+    if "tflops_per_rank" in record:
+        out["tflops"] = f"{record['tflops_per_rank']:.3g}"
+    if "mfu" in record:
+        out["mfu"] = f"{100 * record['mfu']:.1f}%"
+    return out
 
 
 def _memory_scalars(run) -> dict:
@@ -431,6 +508,8 @@ def default_hooks(config, world: int) -> list:
     hooks += [ProgressHook(config.logging), OutputHook(config.logging.output_dir)]
     if config.logging.tensorboard_dir:
         hooks.append(TensorBoardHook(config.logging.tensorboard_dir))
+    if config.logging.wandb_project:
+        hooks.append(WandbHook(config.logging))
     if config.logging.scope_port is not None:
         log = config.logging
         hooks.append(ScopeHook(log.scope_port, log.scope_host, log.scope_token, log.output_dir))

@@ -17,8 +17,10 @@ from .. import trace as tracing
 from ..pipeline import current_schedule
 from .config import Config
 from .hooks import CallbacksHook, default_hooks
+from .lr_schedule import schedule_changes, schedule_state
 from .setup import Run, build_run, init_distributed, install_memory_pool
 from .step import evaluate, train_step
+from .throughput import Throughput
 
 __all__ = ["train", "resume", "save"]
 
@@ -42,6 +44,8 @@ def train(args, callbacks=None, hooks=(), task=None) -> dict:
         _each(hooks, "on_start", run)
         optim, ckpt = config.optim, config.checkpoint
         tokens_per_iter = optim.global_batch_size * run.model_config.seq_length
+        rate = Throughput(run.model_config, optim.global_batch_size, run.world, run.device,
+                          config.logging.peak_tflops)
         history, stopped_at, saved_at, train_seconds = [], None, None, 0.0
         start = time.perf_counter()
         for it in range(run.start_iteration, optim.train_iters):
@@ -54,7 +58,8 @@ def train(args, callbacks=None, hooks=(), task=None) -> dict:
             train_seconds += dt
             record = {"iteration": it + 1, "loss": step.loss, "lr": step.lr,
                       "grad_norm": step.grad_norm, "seconds": dt,
-                      "tokens_per_s": tokens_per_iter / dt, "train_seconds": train_seconds}
+                      "tokens_per_s": tokens_per_iter / dt, **rate.of(dt),
+                      "train_seconds": train_seconds}
             if step.mtp_losses is not None:
                 record["mtp_losses"] = step.mtp_losses
             _each(hooks, "on_iteration_end", run, it, record)
@@ -82,6 +87,7 @@ def train(args, callbacks=None, hooks=(), task=None) -> dict:
         if history and optim.eval_interval:
             history[-1]["valid_loss"] = _mean(valid)
         summary = _summary(run, history, valid, wall, train_seconds, tokens_per_iter, stopped_at)
+        summary.update(rate.of(train_seconds, len(history)) if history else {})
         _each(hooks, "on_end", run, summary)
         return summary
     except BaseException as e:
@@ -107,6 +113,11 @@ def resume(run: Run) -> None:
         if run.is_logger:
             print(f"[megatronapp] no checkpoint in {path}; starting from scratch", flush=True)
         return
+    changes = schedule_changes(info["extra"].get("lr_schedule"), run.config.optim)
+    if changes and not run.config.checkpoint.override_opt_param_scheduler:
+        raise SystemExit(f"--load {info['path']}: the learning-rate schedule differs from the "
+                         f"checkpoint's: {'; '.join(changes)}. Give the checkpoint's flags, or "
+                         "--override-opt-param-scheduler to run this schedule from here")
     run.start_iteration = info["iteration"]
     # The data continues with the next sample (Megatron's consumed_train_samples);
     # a checkpoint without the count consumed iteration x global batch.
@@ -128,7 +139,7 @@ def save(run: Run, iteration: int, hooks=()) -> int:
                     config=run.checkpoint_model_config(),
                     extra={"consumed_samples": run.sample_offset
                            + iteration * optim.global_batch_size,
-                           "seed": optim.seed,
+                           "seed": optim.seed, "lr_schedule": schedule_state(optim),
                            **({"grad_scaler": scaler.state_dict()} if scaler else {})},
                     parallel_state=run.state, async_save=run.config.checkpoint.async_save)
     return iteration

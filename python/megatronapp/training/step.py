@@ -11,7 +11,6 @@ reported the same way whatever the layout.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -24,6 +23,7 @@ from ..models.mtp import mtp_targets
 from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule, to_device
 from ..tensor_parallel.random import model_parallel_seed
 from .grads import finish_gradients
+from .lr_schedule import lr_at
 
 __all__ = ["StepResult", "schedule_for", "lr_at", "train_step", "evaluate"]
 
@@ -44,15 +44,6 @@ def schedule_for(config, p: int, m: int, v: int = 1, parallel_state=None):
                          memory_limit=par.pipeline_memory_limit,
                          replan_interval=par.pipeline_replan_interval,
                          parallel_state=parallel_state)
-
-
-def lr_at(optim, it: int) -> float:
-    """Linear warm-up to ``optim.lr``, then cosine decay to ``optim.min_lr``."""
-    if it < optim.lr_warmup_iters:
-        return optim.lr * (it + 1) / optim.lr_warmup_iters
-    span = max(1, optim.train_iters - optim.lr_warmup_iters)
-    frac = min(1.0, (it - optim.lr_warmup_iters) / span)
-    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1 + math.cos(math.pi * frac))
 
 
 def _moe_layers(run) -> list:
@@ -172,7 +163,8 @@ def _fbd_train_step(run, it: int, lr: float) -> StepResult:
 def train_step(run, it: int) -> StepResult:
     """Iteration `it` (0-based): forward and backward of the global batch,
     gradients finished (:mod:`.grads`), optimizer step."""
-    lr = lr_at(run.config.optim, it)
+    optim = run.config.optim
+    lr = lr_at(optim, it, consumed_samples=run.sample_offset + it * optim.global_batch_size)
     for group in getattr(run.optimizer, "param_groups", ()):
         group["lr"] = lr
     if run.config.parallel.forward_backward_disaggregating:
