@@ -429,17 +429,17 @@ def _our_mtp_loss(rank, world, ckpt, tp, pp, ep, etp):
                                                   expert_tensor_parallel_size=etp)
     model = _our_model(ckpt, state)
     ids = _ids()
-    with torch.no_grad():
-        if state.pp_rank == 0:
-            x = model(ids)
-        else:
-            x = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
-            dist.recv(x, ps.get_pipeline_model_parallel_prev_rank())
-            x = model(x)
-        if state.pp_rank < pp - 1:
-            dist.send(x.contiguous(), ps.get_pipeline_model_parallel_next_rank())
-            return None
-        _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
+    # (with gradients on: the last stage keeps its hidden states for MTP only then)
+    if state.pp_rank == 0:
+        x = model(ids)
+    else:
+        x = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
+        dist.recv(x, ps.get_pipeline_model_parallel_prev_rank())
+        x = model(x)
+    if state.pp_rank < pp - 1:
+        dist.send(x.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        return None
+    _, losses = mtp_loss(model, model.take_mtp_hidden(), torch.roll(ids, -1, dims=1))
     return model.config.mtp_num_layers, [x.item() for x in losses]
 
 

@@ -123,7 +123,6 @@ def test_a_run_logs_tflops_per_rank_and_mfu(tmp_path):
 
 def test_device_peaks():
     import torch
-
     from megatronapp.training.throughput import device_peak_tflops
 
     assert device_peak_tflops(torch.device("cpu")) is None

@@ -186,29 +186,50 @@ def _wandb(rank, world, out_dir, save_dir):
     return train(args)
 
 
+def _wandb_records(path):
+    """The protobuf records of a W&B run file: a 7-byte header (":W&B", magic
+    0xBEE1, version), then LevelDB's log format — 32 KiB blocks of records,
+    each with a 7-byte header (CRC, length, type: full / first / middle /
+    last piece). The wandb package no longer ships a reader."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, path
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0:
+            continue
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(parts)
+            yield rec
+
+
 def _wandb_history(save_dir):
     """The scalars of the offline run W&B wrote under `save_dir`, step by step,
-    and its config (read from the run's record file, as `wandb sync` does)."""
+    and its config."""
     import glob
     import json
 
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
     (path,) = glob.glob(os.path.join(save_dir, "wandb", "offline-run-*", "run-*.wandb"))
-    ds = datastore.DataStore()
-    ds.open_for_scan(path)
     steps, config = {}, {}
-    while (data := ds.scan_data()) is not None:
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+    for rec in _wandb_records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                      for i in rec.history.item}
             steps.setdefault(items.get("_step"), {}).update(items)
-        elif kind == "config":
-            for i in rec.config.update:
+        elif kind == "run":
+            for i in rec.run.config.update:
                 config[i.key] = json.loads(i.value_json)
     return steps, config
 
@@ -223,7 +244,7 @@ def test_wandb_logs_the_scalars_offline(tmp_path):
         assert steps[i]["lm-loss"] == h["loss"] and steps[i]["learning-rate"] == h["lr"]
         assert steps[i]["throughput/tflops-per-rank"] == h["tflops_per_rank"]
     assert "validation/lm-loss" in steps[2]
-    assert config["tensor_model_parallel_size"]["value"] == 2
+    assert config["tensor_model_parallel_size"] == 2
 
 
 def _custom_hook(rank, world, out_dir):

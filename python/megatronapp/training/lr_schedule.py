@@ -91,8 +91,8 @@ def lr_at(optim, it: int, consumed_samples: int | None = None) -> float:
         return low + 0.5 * (peak - low) * (1 + math.cos(math.pi * frac))
     elif style == "WSD":
         start = decay - wsd
-        if step <= start:
-            coeff = 1.0
+        if step <= start:  # the stable phase: the peak itself (not min + 1 x (peak - min))
+            return peak
         else:
             q = min(1.0, (step - start) / wsd)
             kind = getattr(optim, "lr_wsd_decay_style", "exponential")
