@@ -498,8 +498,9 @@ class CheckpointConfig:
         metavar="S")
     no_watchdog: bool = _flag(False, "no dead-rank watchdog")
     override_opt_param_scheduler: bool = _flag(
-        False, "--load: run this command line's learning-rate schedule even where it differs "
-        "from the checkpoint's (without it, a difference stops the run, as in Megatron-LM)",
+        False, "--load: run this command line's learning-rate schedule where it differs from "
+        "the checkpoint's without the warning naming the differences (Megatron-LM stops "
+        "without this flag; here the command line's schedule always runs)",
         aliases=("--override-opt_param-scheduler",))
 
 

@@ -114,10 +114,14 @@ def resume(run: Run) -> None:
             print(f"[megatronapp] no checkpoint in {path}; starting from scratch", flush=True)
         return
     changes = schedule_changes(info["extra"].get("lr_schedule"), run.config.optim)
-    if changes and not run.config.checkpoint.override_opt_param_scheduler:
-        raise SystemExit(f"--load {info['path']}: the learning-rate schedule differs from the "
-                         f"checkpoint's: {'; '.join(changes)}. Give the checkpoint's flags, or "
-                         "--override-opt-param-scheduler to run this schedule from here")
+    if changes and run.is_logger and not run.config.checkpoint.override_opt_param_scheduler:
+        # Said, not refused (Megatron-LM refuses): extending a run with a longer
+        # --train-iters, whose decay follows it, is the common case.
+        from .. import _C
+
+        _C.log("warning", f"--load {info['path']}: this run's learning-rate schedule differs "
+                          f"from the checkpoint's ({'; '.join(changes)}); it runs from iteration "
+                          f"{info['iteration']} on (--override-opt-param-scheduler: silently)")
     run.start_iteration = info["iteration"]
     # The data continues with the next sample (Megatron's consumed_train_samples);
     # a checkpoint without the count consumed iteration x global batch.
