@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import torch
 
+from . import packed_sequence as _packed
 from . import trace as _trace
 
 __all__ = ["zigzag_split", "zigzag_gather", "ring_attention", "ulysses_attention",
@@ -67,10 +68,56 @@ def zigzag_gather(parts: list, dim: int) -> torch.Tensor:
 
 
 def _merge(out, lse, o, l_):
-    """Log-sum-exp merge of partial attention results (in place on out/lse)."""
+    """Log-sum-exp merge of partial attention results (in place on out/lse).
+    A row that no key has reached yet on either side (lse -inf: possible with
+    documents kept apart) stays empty instead of becoming NaN."""
     new = torch.logaddexp(lse, l_)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l_ - new).unsqueeze(-1))
+    keep, add = torch.exp(lse - new).nan_to_num(0.0), torch.exp(l_ - new).nan_to_num(0.0)
+    out.mul_(keep.unsqueeze(-1)).add_(o * add.unsqueeze(-1))
     lse.copy_(new)
+
+
+def _acc(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _block_fwd(q, k, v, scale, causal, mask):
+    """(out, lse) of q's attention over one block of keys: the fused op, or
+    with a document mask [b, 1, sq, sk] the same in torch (an empty row: out
+    0, lse -inf)."""
+    if mask is None:
+        return torch.ops.mapp.attn_block_fwd(q, k, v, scale, causal)
+    acc = _acc(q)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(probs, v.to(acc)), lse
+
+
+def _block_bwd(dout, q, k, v, out, lse, scale, causal, mask):
+    """(dq, dk, dv) of one block given the finished rows' out and lse."""
+    if mask is None:
+        return torch.ops.mapp.attn_block_bwd(dout, q, k, v, out, lse, scale, causal)
+    acc = _acc(q)
+    q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    probs = torch.exp(scores.masked_fill(~mask, float("-inf")) - lse.unsqueeze(-1))
+    dv = torch.matmul(probs.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    ds = probs * (dp - (dout * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _block_mask(segments, rank, src, cp, s_local, qs, ks):
+    """The document mask of rank's queries `qs` against rank src's keys `ks`
+    (positions in the whole sequence from the zigzag layout), or None."""
+    if segments is None:
+        return None
+    whole = torch.arange(s_local * cp, device=segments.device)
+    qg = zigzag_split(whole, cp, rank, 0)[qs]
+    kg = zigzag_split(whole, cp, src, 0)[ks]
+    return _packed.attention_mask(segments, qg, kg)
 
 
 def _wait(reqs, peer: int) -> None:
@@ -116,7 +163,7 @@ def _ring(group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, segments):
         cp, rank, nxt, prv = _ring(group)
         s = q.shape[-2]
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32 if
@@ -129,21 +176,22 @@ class _RingAttention(torch.autograd.Function):
                 nxt_kv, reqs = _exchange(kv, group, nxt, prv)
             with _trace.scope("cp_ring_step", "compute", lane=0):
                 for qs, ks, causal in _step_blocks(step, rank, cp, s):
-                    o, l_ = torch.ops.mapp.attn_block_fwd(q[..., qs, :], kv[0][..., ks, :],
-                                                          kv[1][..., ks, :], scale, causal)
+                    mask = _block_mask(segments, rank, (rank - step) % cp, cp, s, qs, ks)
+                    o, l_ = _block_fwd(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], scale,
+                                       causal, mask)
                     _merge(out[..., qs, :], lse[..., qs], o.to(out.dtype), l_.to(out.dtype))
             if reqs is not None:
                 _wait(reqs, prv)
                 kv = tuple(nxt_kv)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.segments = group, scale, segments
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, segments = ctx.group, ctx.scale, ctx.segments
         cp, rank, nxt, prv = _ring(group)
         s = q.shape[-2]
         dout = dout.contiguous()
@@ -159,9 +207,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = (torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype))
             with _trace.scope("cp_ring_step_backward", "compute", lane=0):
                 for qs, ks, causal in _step_blocks(step, rank, cp, s):
-                    a, b, c = torch.ops.mapp.attn_block_bwd(
+                    mask = _block_mask(segments, rank, (rank - step) % cp, cp, s, qs, ks)
+                    a, b, c = _block_bwd(
                         dout[..., qs, :], q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
-                        out[..., qs, :], lse[..., qs], scale, causal)
+                        out[..., qs, :], lse[..., qs], scale, causal, mask)
                     dq[..., qs, :] += a
                     dkv[0][..., ks, :] += b
                     dkv[1][..., ks, :] += c
@@ -176,21 +225,35 @@ class _RingAttention(torch.autograd.Function):
                 _wait(reqs, prv)
                 kv = tuple(nxt_kv)
         _wait(dreqs, prv)  # our own block's dK/dV, summed over every rank
-        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None, None
 
 
 def _scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, scale: float | None = None,
+                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries over the whole sequence
     (q, k [b, heads, s_local, d], v [b, heads, s_local, d_v]); `group` is the
-    context-parallel group; `scale` of the scores (default 1/sqrt(d))."""
+    context-parallel group; `scale` of the scores (default 1/sqrt(d));
+    `segment_ids` [b, whole sequence]: each token's document, attention
+    staying within it (packed_sequence)."""
     if group is None or group.size() == 1:
+        if segment_ids is not None:
+            return _local_documents(q, k, v, _scale(q, scale), segment_ids)
         return _LocalCausal.apply(q, k, v, _scale(q, scale))
     check_sequence(q.shape[-2] * group.size(), group.size())
-    return _RingAttention.apply(q, k, v, group, _scale(q, scale))
+    if segment_ids is not None:
+        segment_ids = segment_ids.to(q.device)
+    return _RingAttention.apply(q, k, v, group, _scale(q, scale), segment_ids)
+
+
+def _local_documents(q, k, v, scale, segment_ids):
+    """Causal attention within documents over a whole sequence (sequence order)."""
+    idx = torch.arange(q.shape[-2], device=q.device)
+    mask = _packed.attention_mask(segment_ids.to(q.device), idx, idx)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class _LocalCausal(torch.autograd.Function):
@@ -243,9 +306,13 @@ def _natural_order(cp: int) -> list:
     return order
 
 
-def ulysses_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
-    """Causal attention by two all-to-alls (heads divisible by cp)."""
+def ulysses_attention(q, k, v, group, scale: float | None = None,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention by two all-to-alls (heads divisible by cp);
+    `segment_ids` as ring_attention's."""
     if group is None or group.size() == 1:
+        if segment_ids is not None:
+            return _local_documents(q, k, v, _scale(q, scale), segment_ids)
         return _LocalCausal.apply(q, k, v, _scale(q, scale))
     cp = group.size()
     if q.shape[1] % cp:
@@ -262,5 +329,9 @@ def ulysses_attention(q, k, v, group, scale: float | None = None) -> torch.Tenso
         chunks = t.chunk(2 * cp, 2)
         return torch.cat([chunks[i] for i in idx], 2)
 
-    out = _LocalCausal.apply(*(reorder(t, inv) for t in (qh, kh, vh)), _scale(q, scale))
+    whole = [reorder(t, inv) for t in (qh, kh, vh)]
+    if segment_ids is not None:
+        out = _local_documents(*whole, _scale(q, scale), segment_ids)
+    else:
+        out = _LocalCausal.apply(*whole, _scale(q, scale))
     return _AllToAll.apply(reorder(out, order), group, False)

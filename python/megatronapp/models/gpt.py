@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import torch
 from torch import nn
 
+from .. import packed_sequence
 from .. import scope_taps as taps
 from ..autograd import linear
 from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
@@ -545,14 +546,19 @@ class ParallelAttention(nn.Module):
         probabilities ([b, heads, s, d] each): the part selective
         recomputation recomputes. The heads are this rank's, so dropout
         draws from the tracked tensor-parallel state."""
+        packed = packed_sequence.current() if self.causal else None
+        segments = packed.segment_ids if packed is not None else None
         if self.context_group is not None:  # the sequence is split over the context group
             from ..context_parallel import ring_attention, ulysses_attention
             fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
-            return fn(q, k, v, self.context_group, scale=self.softmax_scale)
+            return fn(q, k, v, self.context_group, scale=self.softmax_scale,
+                      segment_ids=segments)
         p = self.dropout_p if self.training else 0.0
         scope = taps.ACTIVE if self.tapped else None
         if scope is not None and scope.needs_probs(self.layer_number):
             return self._probed_attention(q, k, v, p, scope)
+        if segments is not None:  # causal within each document
+            return self._document_attention(q, k, v, segments, p)
         # auto: torch's fused attention, except on CPU with dropout, where it
         # falls back to its math path with torch's slow Bernoulli: there the
         # local path with the fused dropout kernel computes the same.
@@ -575,6 +581,26 @@ class ParallelAttention(nn.Module):
             return torch.matmul(scaled_causal_softmax(scores, scale), v)
         with get_rng_tracker().fork():  # this rank's heads: the tensor-parallel state
             probs = scaled_causal_softmax_dropout(scores, scale, p)
+        return torch.matmul(probs, v)
+
+    def _document_attention(self, q, k, v, segments, p):
+        """Causal attention that stays within each token's document
+        (--reset-attention-mask): torch's fused attention with the mask, or
+        the unfused scores masked before the softmax."""
+        idx = torch.arange(q.shape[-2], device=q.device)
+        mask = packed_sequence.attention_mask(segments.to(q.device), idx, idx)
+        if self.fused and not (p > 0.0 and q.device.type == "cpu" and self.backend == "auto"):
+            if p == 0.0:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                      scale=self.softmax_scale)
+            with get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                      scale=self.softmax_scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                probs = dropout(probs, p)
         return torch.matmul(probs, v)
 
     def _probed_attention(self, q, k, v, p, scope):
@@ -759,11 +785,16 @@ class GPTModel(nn.Module):
                     self.mtp.append(MTP_LAYER[0](cfg, state, k))
 
     def forward(self, x: torch.Tensor | None, labels: torch.Tensor | None = None,
-                decoder_input: torch.Tensor | None = None):
+                decoder_input: torch.Tensor | None = None, packed=None):
         """`decoder_input` (first stage only; Megatron-Core's argument): the
         token embeddings [b, s, h] to use instead of embedding ``x`` (a
         multimodal model places image embeddings among them); the position
-        embeddings are added to it."""
+        embeddings are added to it. `packed`: the microbatch's
+        :class:`~megatronapp.packed_sequence.PackedSeq` (documents kept apart
+        in attention, positions restarting per document)."""
+        if packed is not None:
+            with packed_sequence.active(packed):
+                return self.forward(x, labels, decoder_input)
         if self.pre_process:
             tokens = self.word_embeddings(x) if decoder_input is None else decoder_input
             b, s = tokens.shape[:2]
@@ -772,8 +803,10 @@ class GPTModel(nn.Module):
                     f"sequence length {s * self.cp_size} exceeds the model's seq_length "
                     f"{self.config.seq_length}")
             if self.position_embeddings is not None:  # learned absolute positions
-                x = tokens + self.position_embeddings(
-                    positions(s, self.cp_size, self.cp_rank, tokens.device))  # [b, s, h]
+                pk = packed_sequence.current()
+                pos = pk.position_ids if pk is not None and pk.position_ids is not None else \
+                    positions(s, self.cp_size, self.cp_rank, tokens.device)
+                x = tokens + self.position_embeddings(pos)  # [b, s, h]
             else:
                 x = tokens
             x = x.transpose(0, 1).contiguous()  # [s, b, h]

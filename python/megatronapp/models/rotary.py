@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from ..packed_sequence import current as current_packed
+
 __all__ = ["RotaryEmbedding", "apply_rotary", "inv_freq", "positions", "yarn_inv_freq",
            "yarn_mscale"]
 
@@ -121,21 +123,29 @@ class RotaryEmbedding:
         self._cache: dict = {}
 
     def tables(self, s: int, cp_size: int, cp_rank: int, device, dtype):
+        """cos, sin [s, rot] of this rank's positions; inside a packed
+        microbatch's forward with reset positions (packed_sequence), [b, 1, s,
+        rot] of each token's position in its document."""
+        packed = current_packed()
+        if packed is not None and packed.position_ids is not None:
+            return self._of(packed.position_ids.float().unsqueeze(1), device, dtype)
         key = (s, cp_size, cp_rank, str(device), dtype)
         hit = self._cache.get(key)
         if hit is None:
-            pos = positions(s, cp_size, cp_rank).float()
-            freqs = torch.outer(pos, self.inv_freq)  # [s, rot/2]
-            if self.interleaved:
-                emb = freqs.repeat_interleave(2, dim=-1)
-            else:
-                emb = torch.cat((freqs, freqs), dim=-1)
-            a = self.attention_factor
-            hit = ((emb.cos() * a).to(device, dtype), (emb.sin() * a).to(device, dtype))
+            hit = self._of(positions(s, cp_size, cp_rank).float(), device, dtype)
             if len(self._cache) > 16:
                 self._cache.clear()
             self._cache[key] = hit
         return hit
+
+    def _of(self, pos: torch.Tensor, device, dtype):
+        freqs = pos.to(self.inv_freq.device).unsqueeze(-1) * self.inv_freq  # [..., s, rot/2]
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        a = self.attention_factor
+        return (emb.cos() * a).to(device, dtype), (emb.sin() * a).to(device, dtype)
 
 
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

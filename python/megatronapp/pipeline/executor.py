@@ -13,6 +13,8 @@ them. ``data_iterator`` yields ``(inputs, target)`` per microbatch: the first
 virtual stage feeds ``inputs`` to chunk 0 and the last computes
 ``loss_fn(output, target)``; the loss is divided by the number of
 microbatches before backward, so gradients are the mean over microbatches.
+An item may be ``(inputs, target, kwargs)``: every chunk's forward of that
+microbatch gets ``kwargs`` (a packed microbatch's ``packed=PackedSeq``).
 
 With ``scatter_gather=True`` and tensor parallelism, the tensors between
 stages are the same on every tensor rank (no sequence parallelism), so each
@@ -246,6 +248,15 @@ class _Batches:
             self.items.append(next(self.it))
         return self.items[mb]
 
+    def kwargs(self, mb: int) -> dict:
+        """The keyword arguments of the chunks' forward for microbatch `mb`:
+        the third element of an (x, y, kwargs) item (a packed microbatch's
+        documents), else none (also on a stage without data)."""
+        if self.it is None and len(self.items) <= mb:
+            return {}
+        item = self(mb)
+        return item[2] if len(item) > 2 else {}
+
 
 def _recv_peers(actions):
     """index of an F / B / BI action -> the peer stage its input comes from
@@ -369,7 +380,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                 t0_ns = time.monotonic_ns() if p2p.trace else 0
                 busy = _trace.BusyTimer() if p2p.trace else None
                 if a.type == "F":
-                    out = chunks[c](x)
+                    out = chunks[c](x, **batch.kwargs(mb))
                     if vs == last_vs:
                         loss = loss_fn(out, batch(mb)[1])
                         result.losses.append(loss.detach())

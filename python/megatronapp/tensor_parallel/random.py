@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import torch
 
-from .. import _collectives
+from .. import _collectives, packed_sequence
 
 __all__ = [
     "check_recompute",
@@ -237,6 +237,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.run_function, ctx.group = run_function, group
         ctx.device_type = _TRACKER.device_type
         ctx.rng = _capture(ctx.device_type)
+        ctx.packed = packed_sequence.current()  # the microbatch's documents, for the recompute
         with torch.no_grad():
             outputs = run_function(*args)
         ctx.tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
@@ -266,7 +267,7 @@ class _Checkpoint(torch.autograd.Function):
         after = _capture(ctx.device_type)
         _restore(ctx.device_type, ctx.rng)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), packed_sequence.active(ctx.packed):
                 outputs = ctx.run_function(*args)
         finally:
             _restore(ctx.device_type, after)

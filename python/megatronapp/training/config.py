@@ -417,6 +417,9 @@ class OptimConfig:
         0, "also evaluate every N iterations (0: only at the end); the loss curve records "
         "validation loss and training-only wall time at each", metavar="N")
     seed: int = _flag(1234, "seed of weights and data order (same on every rank)")
+    calculate_per_token_loss: bool = _flag(
+        False, "the loss is the mean over every unmasked token of the global batch (not the "
+        "mean of the microbatches' means): exact under --eod-mask-loss, DP and CP")
 
 
 @dataclass
@@ -438,6 +441,14 @@ class DataConfig:
     tokenizer_model: str | None = _flag(
         None, "SentencePiece .model or Hugging Face tokenizer.json", metavar="FILE")
     vocab_size: int | None = _flag(None, "NullTokenizer: number of token ids", metavar="N")
+    reset_position_ids: bool = _flag(
+        False, "packed documents: positions restart at 0 after each end-of-document token")
+    reset_attention_mask: bool = _flag(
+        False, "packed documents: attention stays within each document (also under context "
+        "parallelism)")
+    eod_mask_loss: bool = _flag(
+        False, "no loss where the input is an end-of-document token (predicting the next "
+        "document's first token)")
 
     def paths(self) -> list[str] | None:
         """--data-path as a list (a Config built in Python may hold one string)."""
@@ -677,6 +688,24 @@ class Config:
                 for k, v in dataclasses.asdict(getattr(self, attr)).items()}
 
     # ---- the checks ------------------------------------------------------------------
+    def packing(self) -> bool:
+        """Whether a microbatch carries its documents (the packing flags)."""
+        d = self.data
+        return bool(d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+                    or self.optim.calculate_per_token_loss)
+
+    def _check_packing(self) -> None:
+        if not self.packing():
+            return
+        if self.parallel.forward_backward_disaggregating:
+            raise ConfigError("--reset-position-ids/--reset-attention-mask/--eod-mask-loss/"
+                              "--calculate-per-token-loss do not run with "
+                              "--forward-backward-disaggregating yet")
+        if self.model.mtp_num_layers:
+            raise ConfigError("--reset-position-ids/--reset-attention-mask/--eod-mask-loss/"
+                              "--calculate-per-token-loss do not run with --mtp-num-layers yet "
+                              "(the MTP depths' shifted targets would cross documents)")
+
     def check(self, world_size: int) -> Plan:
         """Every check that needs neither a model nor a collective; raises
         :class:`ConfigError` naming the flag. Returns the derived :class:`Plan`."""
@@ -697,6 +726,7 @@ class Config:
                             ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        self._check_packing()
         check_lr_schedule(o, self.explicit, ConfigError)
         resolve_train_iters(o)
         for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),

@@ -35,6 +35,7 @@ from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..models import GPTConfig, GPTModel
 from ..models.mtp import AddToGradient, mtp_loss
 from ..optimizer import DistributedOptimizer, FusedAdamW, MixedPrecisionOptimizer
+from ..packed_sequence import MaskedTarget
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
 from ..pipeline.fbd import program as fbd_program
@@ -155,6 +156,12 @@ class GPTTask:
                     if getattr(m, "mtp", None) is not None), None)
 
         def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
+            if isinstance(target, MaskedTarget):  # packed documents (training/step.py)
+                ce = vocab_parallel_cross_entropy(
+                    logits.transpose(0, 1).float(), target.labels.to(device).transpose(0, 1),
+                    group=state.tensor_group)
+                loss = (ce * target.mask.to(device).transpose(0, 1)).sum() / target.divisor
+                return loss * scale if scale != 1.0 else loss
             depth_targets = None
             if isinstance(target, tuple):  # context parallelism with MTP (training/step.py)
                 target, depth_targets = target

@@ -68,7 +68,9 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
                                                   first_sample=first)
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
-        if state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
+        if cfg.packing():
+            micro = _packed_microbatches(run, tokens, micro)
+        elif state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
             cp, r = state.cp_size, state.cp_rank
             depths = cfg.model.mtp_num_layers if backward else None
 
@@ -88,7 +90,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
     if isinstance(schedule, fbd.FBDProgram):  # evaluation: the backward pipelines' forward
         schedule = make_schedule("1f1b", state.pp_size, len(micro))
     res = forward_backward(schedule, run.chunks,
-                           iter([(to_device(x, device), y) for x, y in micro]), loss_fn,
+                           iter([(to_device(x, device), *rest) for x, *rest in micro]), loss_fn,
                            tensor_shape=run.activation_shape, dtype=cfg.precision.dtype(),
                            parallel_state=state, forward_only=not backward,
                            scatter_gather=(cfg.parallel.scatter_gather_tensors_in_pipeline
@@ -100,6 +102,45 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
     # (each context rank's loss is the mean over its equal share of the tokens)
     return _world_mean(res.losses, state, len(micro) * state.dp_size * state.cp_size * scale,
                        device)
+
+
+def _packed_microbatches(run, tokens, micro) -> list:
+    """(tokens, MaskedTarget, {"packed": PackedSeq}) per microbatch (Megatron-
+    LM's get_ltor_masks_and_position_ids), this context rank's zigzag chunks
+    of each. The loss divisor makes the global batch's loss Megatron-LM's: the
+    mean over the microbatches of each one's unmasked-token mean, or with
+    --calculate-per-token-loss the mean over every unmasked token of the
+    global batch (every rank holds the global batch, so the count needs no
+    collective)."""
+    from .. import packed_sequence as ps_
+
+    cfg, state = run.config, run.state
+    eod = getattr(getattr(run.dataset, "tokenizer", None), "eod", None)
+    if eod is None:
+        raise SystemExit("--reset-position-ids/--reset-attention-mask/--eod-mask-loss need a "
+                         "text dataset with an end-of-document token")
+    data, cp, r = cfg.data, state.cp_size, state.cp_rank
+
+    def mask_of(x):
+        return ps_.loss_mask(x, eod) if data.eod_mask_loss else torch.ones(x.shape)
+
+    per_token = cfg.optim.calculate_per_token_loss
+    if per_token:
+        share = float(mask_of(tokens).sum()) / (len(micro) * state.dp_size * cp)
+
+    def split(t):
+        return zigzag_split(t, cp, r, 1) if cp > 1 else t
+
+    out = []
+    for x, y in micro:
+        mask = mask_of(x)
+        divisor = share if per_token else max(float(mask.sum()), 1.0) / cp
+        packed = ps_.PackedSeq(
+            segment_ids=ps_.document_ids(x, eod) if data.reset_attention_mask else None,
+            position_ids=split(ps_.reset_positions(x, eod)) if data.reset_position_ids else None)
+        out.append((split(x), ps_.MaskedTarget(split(y), split(mask), max(divisor, 1e-30)),
+                    {"packed": packed.to(run.device)}))
+    return out
 
 
 def _world_mean(losses, state, divisor: float, device, extra: float | None = None):
