@@ -556,7 +556,7 @@ class ParallelAttention(nn.Module):
         p = self.dropout_p if self.training else 0.0
         scope = taps.ACTIVE if self.tapped else None
         if scope is not None and scope.needs_probs(self.layer_number):
-            return self._probed_attention(q, k, v, p, scope)
+            return self._probed_attention(q, k, v, p, scope, segments)
         if segments is not None:  # causal within each document
             return self._document_attention(q, k, v, segments, p)
         # auto: torch's fused attention, except on CPU with dropout, where it
@@ -603,15 +603,20 @@ class ParallelAttention(nn.Module):
                 probs = dropout(probs, p)
         return torch.matmul(probs, v)
 
-    def _probed_attention(self, q, k, v, p, scope):
+    def _probed_attention(self, q, k, v, p, scope, segments=None):
         """The unfused path with the probabilities exposed to the scope (to
         watch or perturb them): used only while a scope asks for them."""
         if self.context_group is not None:
             raise ValueError("the scope's attn_probs site (and zero_head on it) is not available "
                              "under context parallelism: no rank holds a whole score matrix")
         scores, scale = torch.matmul(q, k.transpose(-1, -2)), self.softmax_scale
-        probs = scaled_causal_softmax(scores, scale) if self.causal else \
-            torch.softmax(scores * scale, dim=-1)
+        if segments is not None:  # within each document (packed_sequence)
+            idx = torch.arange(q.shape[-2], device=q.device)
+            mask = packed_sequence.attention_mask(segments.to(q.device), idx, idx)
+            probs = torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
+        else:
+            probs = scaled_causal_softmax(scores, scale) if self.causal else \
+                torch.softmax(scores * scale, dim=-1)
         probs = scope.tap("attn_probs", self.layer_number, probs, "heads")
         if p > 0.0:
             with get_rng_tracker().fork():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import torch
 
+from .. import packed_sequence
 from .. import trace as tracing
 from ..context_parallel import zigzag_split
 from ..models.mtp import mtp_targets
@@ -112,8 +113,6 @@ def _packed_microbatches(run, tokens, micro) -> list:
     --calculate-per-token-loss the mean over every unmasked token of the
     global batch (every rank holds the global batch, so the count needs no
     collective)."""
-    from .. import packed_sequence as ps_
-
     cfg, state = run.config, run.state
     eod = getattr(getattr(run.dataset, "tokenizer", None), "eod", None)
     if eod is None:
@@ -122,7 +121,7 @@ def _packed_microbatches(run, tokens, micro) -> list:
     data, cp, r = cfg.data, state.cp_size, state.cp_rank
 
     def mask_of(x):
-        return ps_.loss_mask(x, eod) if data.eod_mask_loss else torch.ones(x.shape)
+        return packed_sequence.loss_mask(x, eod) if data.eod_mask_loss else torch.ones(x.shape)
 
     per_token = cfg.optim.calculate_per_token_loss
     if per_token:
@@ -135,10 +134,10 @@ def _packed_microbatches(run, tokens, micro) -> list:
     for x, y in micro:
         mask = mask_of(x)
         divisor = share if per_token else max(float(mask.sum()), 1.0) / cp
-        packed = ps_.PackedSeq(
-            segment_ids=ps_.document_ids(x, eod) if data.reset_attention_mask else None,
-            position_ids=split(ps_.reset_positions(x, eod)) if data.reset_position_ids else None)
-        out.append((split(x), ps_.MaskedTarget(split(y), split(mask), max(divisor, 1e-30)),
+        packed = packed_sequence.PackedSeq(
+            segment_ids=packed_sequence.document_ids(x, eod) if data.reset_attention_mask else None,
+            position_ids=split(packed_sequence.reset_positions(x, eod)) if data.reset_position_ids else None)
+        out.append((split(x), packed_sequence.MaskedTarget(split(y), split(mask), max(divisor, 1e-30)),
                     {"packed": packed.to(run.device)}))
     return out
 
