@@ -479,11 +479,9 @@ def _queue_reads(ld, chunks, optimizer, state) -> None:
             sl, gshape, flat = _tp_slice(p, state), _global_shape(p, state), (sh.lo, sh.hi)
             ld.into(n, "main" if ld.has(n, "main") else "param", sh.main, sl, gshape, flat)
             st = {}
-            for kind in ("exp_avg", "exp_avg_sq"):
-                if ld.has(n, kind):
-                    st[kind] = torch.empty(sh.hi - sh.lo, dtype=torch.float32,
-                                           device=sh.main.device)
-                    ld.into(n, kind, st[kind], sl, gshape, flat)
+            for kind in _state_kinds(ld, n):
+                st[kind] = torch.empty(sh.hi - sh.lo, dtype=torch.float32, device=sh.main.device)
+                ld.into(n, kind, st[kind], sl, gshape, flat)
             if ld.has(n, "step"):
                 st["step"] = ld.scalar(n, "step").clone()
             if st:
@@ -493,14 +491,20 @@ def _queue_reads(ld, chunks, optimizer, state) -> None:
     for n, p in params:
         n = src(n, p)
         st = {}
-        for kind in ("exp_avg", "exp_avg_sq"):
-            if ld.has(n, kind):
-                st[kind] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                ld.into(n, kind, st[kind], _tp_slice(p, state), _global_shape(p, state))
+        for kind in _state_kinds(ld, n):
+            st[kind] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            ld.into(n, kind, st[kind], _tp_slice(p, state), _global_shape(p, state))
         if ld.has(n, "step"):
             st["step"] = ld.scalar(n, "step").clone()
         if st:
             optimizer.state[p] = st
+
+
+def _state_kinds(ld, name) -> list:
+    """The optimizer state tensors shaped like parameter `name` that the
+    checkpoint holds (AdamW's exp_avg / exp_avg_sq, SGD's momentum_buffer;
+    not the weights, not the scalar step)."""
+    return sorted(k for k in ld.kinds(name) if k not in ("param", "main", "step"))
 
 
 class AsyncLoad:

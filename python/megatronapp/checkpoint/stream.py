@@ -212,9 +212,10 @@ class StreamLoader:
     def __init__(self, path: str, meta: dict, *, verify: bool = True,
                  budget: int = DEFAULT_BUDGET, threads: int | None = None):
         self.path, self.verify, self.budget = path, verify, max(1 << 16, int(budget))
-        self.by_key = {}
+        self.by_key, self.kinds_of = {}, {}
         for pc in meta["pieces"]:
             self.by_key.setdefault((pc["name"], pc["kind"]), []).append(pc)
+            self.kinds_of.setdefault(pc["name"], set()).add(pc["kind"])
         self.files, self._lock = {}, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1),
                                        thread_name_prefix="mapp-ckpt-load")
@@ -229,6 +230,10 @@ class StreamLoader:
 
     def has(self, name, kind) -> bool:
         return (name, kind) in self.by_key
+
+    def kinds(self, name) -> set:
+        """Every kind stored for tensor `name` (param, main, exp_avg, ...)."""
+        return self.kinds_of.get(name, set())
 
     def scalar(self, name, kind) -> torch.Tensor:
         pc = self.by_key[(name, kind)][0]

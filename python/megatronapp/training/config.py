@@ -404,7 +404,18 @@ class OptimConfig:
         None, "--train-samples: samples of the linear warm-up (default 0)", metavar="N")
     lr_wsd_decay_samples: int | None = _flag(
         None, "--train-samples, WSD: samples of the final anneal", metavar="N")
-    weight_decay: float = _flag(0.01, "AdamW weight decay (matrices only)")
+    weight_decay: float = _flag(0.01, "weight decay (matrices only; AdamW's decoupled, SGD's "
+                                "added to the gradient)")
+    optimizer: str = _flag(
+        "adam", "adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with "
+        "--sgd-momentum; both under ZeRO-1, mixed precision and checkpoints",
+        choices=("adam", "sgd"))
+    adam_beta1: float = _flag(0.9, "AdamW's first-moment decay")
+    adam_beta2: float = _flag(
+        0.95, "AdamW's second-moment decay (Megatron-LM's default is 0.999; 0.95 is the "
+        "usual LLM setting and this runtime's default since its first release)")
+    adam_eps: float = _flag(1e-8, "AdamW's denominator term")
+    sgd_momentum: float = _flag(0.9, "SGD's momentum (0: none)")
     optimizer_impl: str = _flag(
         "torch", "AdamW's implementation: torch (torch.optim.AdamW, its per-tensor loop) or "
         "fused (megatronapp.optimizer.FusedAdamW: one C++ pass over each tensor, AVX2 on CPU, "
@@ -727,6 +738,13 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
         self._check_packing()
+        if o.optimizer != "adam" and o.optimizer_impl == "fused":
+            raise ConfigError(f"--optimizer-impl fused is AdamW's; --optimizer {o.optimizer} "
+                              "runs torch's (drop --optimizer-impl)")
+        for name, value in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2),
+                            ("--sgd-momentum", o.sgd_momentum)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}")
         check_lr_schedule(o, self.explicit, ConfigError)
         resolve_train_iters(o)
         for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),

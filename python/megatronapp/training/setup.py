@@ -395,25 +395,35 @@ def grad_scaler(config: Config):
                              growth_interval=pr.loss_scale_window, hysteresis=pr.hysteresis)
 
 
+def inner_optimizer(optim) -> tuple:
+    """(torch optimizer class, its keyword arguments) of --optimizer: AdamW
+    (--adam-beta1/2, --adam-eps; --optimizer-impl fused: FusedAdamW) or SGD
+    (--sgd-momentum)."""
+    if optim.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": optim.lr, "momentum": optim.sgd_momentum}
+    cls = FusedAdamW if optim.optimizer_impl == "fused" else torch.optim.AdamW
+    return cls, {"lr": optim.lr, "betas": (optim.adam_beta1, optim.adam_beta2),
+                 "eps": optim.adam_eps}
+
+
 def build_optimizer(config: Config, chunks: list, state: ParallelState):
-    """AdamW (betas 0.9, 0.95) with weight decay on matrices only; ZeRO-1
-    sharded with --use-distributed-optimizer; over fp32 master weights with
-    --bf16/--fp16 (and fp32 main gradients)."""
+    """--optimizer (AdamW by default, betas 0.9, 0.95) with weight decay on
+    matrices only; ZeRO-1 sharded with --use-distributed-optimizer; over fp32
+    master weights with --bf16/--fp16 (and fp32 main gradients)."""
     params = [p for c in chunks for p in c.parameters()]
     groups = [{"params": [p for p in params if p.dim() >= 2],
                "weight_decay": config.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    adamw = FusedAdamW if config.optim.optimizer_impl == "fused" else torch.optim.AdamW
+    cls, kwargs = inner_optimizer(config.optim)
     if config.data_parallel.use_distributed_optimizer:
-        return DistributedOptimizer(chunks, adamw, groups, parallel_state=state,
+        return DistributedOptimizer(chunks, cls, groups, parallel_state=state,
                                     grad_scaler=grad_scaler(config),
                                     overlap_param_gather=config.data_parallel.overlap_param_gather,
-                                    lr=config.optim.lr, betas=(0.9, 0.95))
+                                    **kwargs)
     if config.precision.bf16 or config.precision.fp16:
-        return MixedPrecisionOptimizer(chunks, adamw, groups, parallel_state=state,
-                                       grad_scaler=grad_scaler(config),
-                                       lr=config.optim.lr, betas=(0.9, 0.95))
-    return adamw(groups, lr=config.optim.lr, betas=(0.9, 0.95))
+        return MixedPrecisionOptimizer(chunks, cls, groups, parallel_state=state,
+                                       grad_scaler=grad_scaler(config), **kwargs)
+    return cls(groups, **kwargs)
 
 
 def build_dataset(config: Config):
