@@ -9,7 +9,7 @@ Per rank, in bytes:
 
 * **parameters**, **gradients** (the DDP buckets: fp32 main gradients under
   --bf16/--fp16; ZeRO-1's padded buckets plus its parameter buffer and
-  reduce-scatter shard), **optimizer** state (AdamW moments; fp32 master
+  reduce-scatter shard), **optimizer** state (AdamW moments or SGD's momentum; fp32 master
   weights under mixed precision or ZeRO-1; sharded over dp with
   --use-distributed-optimizer), **communication** (codec error feedback and
   state, per bucket), **data** (the token stream kept in memory);
@@ -155,6 +155,9 @@ class _Shape:
     dr: int = 0  #: --qk-pos-emb-head-dim (the decoupled rotary key/query channels)
     dv: int = 0  #: --v-head-dim
     mtp: int = 0  #: --mtp-num-layers: extra layers, logits and losses on the last stage
+    #: fp32 optimizer state bytes per parameter: AdamW's two moments (8), SGD's
+    #: momentum buffer (4; none without momentum)
+    state_bytes: int = 8
 
     @property
     def mla(self) -> bool:
@@ -225,6 +228,8 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
                  == "learned_absolute", rope=f.get("position_embedding_type") == "rope",
                  qk_norm=bool(f.get("qk_layernorm")))
     block["mtp"] = f.get("mtp_num_layers") or 0
+    if f.get("optimizer", "adam") == "sgd":
+        block["state_bytes"] = 4 if f.get("sgd_momentum", 0.9) else 0
     if f.get("multi_latent_attention"):
         block.update(rq=f.get("q_lora_rank") or 0, rkv=f["kv_lora_rank"], dq=f["qk_head_dim"],
                      dr=f["qk_pos_emb_head_dim"], dv=f["v_head_dim"])
@@ -475,9 +480,9 @@ def _stage(x: _Shape, stage: int, data_bytes: int) -> Breakdown:
     if x.zero:  # gradients are reduced (and ZeRO-1 shards) over dp x cp
         shard = -(-n_params // (x.dp * x.cp))
         grads = shard * x.dp * x.cp * x.grad + shard * 4  # padded buckets, the reduce-scatter shard
-        optimizer = shard * (4 + 8)  # fp32 master + Adam moments, this rank's part
+        optimizer = shard * (4 + x.state_bytes)  # fp32 master + moments, this rank's part
     else:
-        optimizer = n_params * (8 + (4 if x.mixed else 0))
+        optimizer = n_params * (x.state_bytes + (4 if x.mixed else 0))
     acts = [_chunk_activations(x, vs) for vs in vss]
     in_flight, units, ws = _schedule_peak(x, stage, acts)
     bd = Breakdown(stage=stage, parameters=params, gradients=grads, optimizer=optimizer,
