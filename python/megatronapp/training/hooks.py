@@ -266,7 +266,7 @@ class ProgressHook(Hook):
             return
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}", **_rate_postfix(record))
+                                 tok_s=f"{record['tokens_per_s']:,.0f}", **_rates(record))
             self.bar.update(1)
         elif (it + 1) % self.cfg.log_interval == 0 or it == run.start_iteration:
             mtp = "".join(f" | mtp_{k + 1} loss {x:.4f}"
@@ -449,23 +449,22 @@ class WandbHook(Hook):
             self.run = None
 
 
-def _rate_text(record, sep: str = " |") -> str:
-    """' | 12.3 TFLOP/s/rank | MFU 41.2%' of what the record knows."""
-    out = ""
-    if "tflops_per_rank" in record:
-        out += f"{sep} {record['tflops_per_rank']:.3g} TFLOP/s/rank"
-    if "mfu" in record:
-        out += f"{sep} MFU {100 * record['mfu']:.1f}%"
-    return out
-
-
-def _rate_postfix(record) -> dict:
+def _rates(record) -> dict:
+    """{short name: formatted value} of the throughput the record knows
+    (TFLOP/s per rank, MFU): the progress bar's fields and the log's text."""
     out = {}
     if "tflops_per_rank" in record:
         out["tflops"] = f"{record['tflops_per_rank']:.3g}"
     if "mfu" in record:
         out["mfu"] = f"{100 * record['mfu']:.1f}%"
     return out
+
+
+def _rate_text(record, sep: str = " |") -> str:
+    """' | 12.3 TFLOP/s/rank | MFU 41.2%' of what the record knows."""
+    r = _rates(record)
+    return ((f"{sep} {r['tflops']} TFLOP/s/rank" if "tflops" in r else "")
+            + (f"{sep} MFU {r['mfu']}" if "mfu" in r else ""))
 
 
 def _memory_scalars(run) -> dict:
