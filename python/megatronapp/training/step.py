@@ -125,7 +125,7 @@ def _packed_microbatches(run, tokens, micro) -> list:
 
     per_token = cfg.optim.calculate_per_token_loss
     if per_token:
-        share = float(mask_of(tokens).sum()) / (len(micro) * state.dp_size * cp)
+        share = max(float(mask_of(tokens).sum()), 1.0) / (len(micro) * state.dp_size * cp)
 
     def split(t):
         return zigzag_split(t, cp, r, 1) if cp > 1 else t
@@ -137,7 +137,7 @@ def _packed_microbatches(run, tokens, micro) -> list:
         packed = packed_sequence.PackedSeq(
             segment_ids=packed_sequence.document_ids(x, eod) if data.reset_attention_mask else None,
             position_ids=split(packed_sequence.reset_positions(x, eod)) if data.reset_position_ids else None)
-        out.append((split(x), packed_sequence.MaskedTarget(split(y), split(mask), max(divisor, 1e-30)),
+        out.append((split(x), packed_sequence.MaskedTarget(split(y), split(mask), divisor),
                     {"packed": packed.to(run.device)}))
     return out
 
