@@ -39,9 +39,10 @@ sed -n 1p "$WORK/info.txt"
 
 echo "== 3. megatronapp-pretrain on 2 ranks, outside the checkout [${SECONDS}s]"
 run=$(mktemp -d)
+port=$("$WORK/venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 trap 'rm -rf "$run"' EXIT
 (cd "$run" && OMP_NUM_THREADS=1 "$WORK/venv/bin/torchrun" --nproc-per-node 2 \
-   --master-addr 127.0.0.1 --master-port 29540 "$WORK/venv/bin/megatronapp-pretrain" \
+   --master-addr 127.0.0.1 --master-port "$port" "$WORK/venv/bin/megatronapp-pretrain" \
    --tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
    --seq-length 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --eval-iters 1 \
    --no-progress --output-dir out)

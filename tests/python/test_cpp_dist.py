@@ -267,9 +267,8 @@ def _assert_same_20_losses(tmp_path, world, common):
 @pytest.mark.parametrize("world,flags", [
     (4, ["--tensor-model-parallel-size", "2"]),
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    # the issue's case: int8 with error feedback, ZeRO-1
-    (4, ["--tensor-model-parallel-size", "2", "--grad-compression", "int8",
-         "--use-distributed-optimizer"]),
+    # (TP2 x DP2 with int8 error feedback and ZeRO-1 is the checkpoint test's
+    # tp2-dp2-int8-zero1, which compares every loss of its run the same way)
     # small buckets (several per key), SP partial sums on ZeRO shards, a warm-up
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bucket-size-mb", "0.05",
          "--grad-compression", "int8", "--grad-compression-start-iter", "3",
@@ -277,8 +276,7 @@ def _assert_same_20_losses(tmp_path, world, common):
     # PowerSGD (its Q seeded per bucket), DP4 without ZeRO, reduced at the end of backward
     (4, ["--grad-compression", "powersgd:2", "--bucket-size-mb", "0.1",
          "--no-overlap-grad-reduce"]),
-], ids=["tp2-dp2", "tp2-sp", "tp2-dp2-int8-zero1", "tp2-sp-dp2-buckets-int8-warmup-zero1",
-        "dp4-powersgd"])
+], ids=["tp2-dp2", "tp2-sp", "tp2-sp-dp2-buckets-int8-warmup-zero1", "dp4-powersgd"])
 def test_cpp_trainer_gives_pretrain_gpt_losses(tmp_path, world, flags):
     """examples/cpp/train_gpt.cc against examples/pretrain_gpt.py: the same
     loss at each of the first 20 steps within 1e-5 (fp32), with the C++ DDP
@@ -295,8 +293,8 @@ PIPE_FLAGS = [f if f != "2" or GPT_FLAGS[i - 1] != "--num-layers" else "4"
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flags", [
-    # the issue's cases: TP2 x PP2, 1F1B and zero-bubble (deferred weight gradients)
-    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    # the issue's cases: TP2 x PP2, 1F1B (the checkpoint tests' run: every loss
+    # compared there) and zero-bubble (deferred weight gradients)
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
      "--pipeline-schedule", "zero-bubble"],
     # interleaved (2 chunks per stage) x DP2 with int8 and ZeRO-1 over both chunks
@@ -320,7 +318,7 @@ PIPE_FLAGS = [f if f != "2" or GPT_FLAGS[i - 1] != "--num-layers" else "4"
     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
      "--recompute-granularity", "full", "--recompute-method", "block",
      "--recompute-num-layers", "1", "--use-distributed-optimizer"],
-], ids=["tp2-pp2-1f1b", "tp2-pp2-zero-bubble", "pp2-vp2-dp2-int8-zero1", "tp2-sp-pp2-gpipe",
+], ids=["tp2-pp2-zero-bubble", "pp2-vp2-dp2-int8-zero1", "tp2-sp-pp2-gpipe",
         "pp4-dynamic-dfc", "pp2-dp2-adaptive-powersgd", "tp2-pp2-zb-recompute-uniform",
         "pp2-vp2-dp2-recompute-block-zero1"])
 def test_cpp_pipeline_trainer_gives_pretrain_gpt_losses(tmp_path, flags):
@@ -366,52 +364,64 @@ def test_cpp_trainer_refuses_what_it_cannot_do_yet():
     assert p.returncode != 0 and "--data-path" in p.stderr + p.stdout
 
 
-def _ckpt_runs(tmp_path, flags, steps=6):
+_CKPT_RUNS = {}
+
+
+def _ckpt_runs(factory, flags, steps=6):
     """pretrain_gpt.py and train_gpt, 6 steps each with checkpoints every 3:
-    the losses of both, and the two checkpoint directories."""
+    the folder holding both checkpoint directories (pyck/, cck/), the common
+    flags and the losses of both. Made once per flag set for the module (the
+    resume and the reshard tests both start from TP2 x PP2's)."""
     from megatronapp.data import default_corpus
 
-    common = [f if f != "20" else str(steps) for f in PIPE_FLAGS] + flags + [
-        "--data-path", default_corpus()]
-    py, cpp = _run_both(tmp_path, 4, common,
-                        ["--save", str(tmp_path / "pyck"), "--save-interval", "3"],
-                        ["--save", str(tmp_path / "cck"), "--save-interval", "3"])
-    return common, py, cpp
+    key = tuple(flags)
+    if key not in _CKPT_RUNS:
+        base = factory.mktemp("ckpt")
+        common = [f if f != "20" else str(steps) for f in PIPE_FLAGS] + list(flags) + [
+            "--data-path", default_corpus()]
+        py, cpp = _run_both(base, 4, common,
+                            ["--save", str(base / "pyck"), "--save-interval", "3"],
+                            ["--save", str(base / "cck"), "--save-interval", "3"])
+        _CKPT_RUNS[key] = base, common, py, cpp
+    return _CKPT_RUNS[key]
+
+
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("flags", [
-    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    TP2_PP2,
     ["--tensor-model-parallel-size", "2", "--grad-compression", "int8",
      "--use-distributed-optimizer"],
     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
      "--grad-compression", "powersgd:2", "--use-distributed-optimizer"],
 ], ids=["tp2-pp2-adamw", "tp2-dp2-int8-zero1", "pp2-vp2-dp2-powersgd-zero1"])
-def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, flags):
+def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, tmp_path_factory, flags):
     """train_gpt --save/--load in pretrain_gpt.py's checkpoint files: a C++
     run resumed from its own step-3 checkpoint repeats steps 4-6 bit for bit
     (AdamW moments or ZeRO-1 pieces, codec error feedback / PowerSGD state,
     RNG); a C++ run resumes Python's checkpoint and a Python run resumes the
     C++ one, each continuing the other's run within 1e-5."""
-    common, py, cpp = _ckpt_runs(tmp_path, flags)
+    ck, common, py, cpp = _ckpt_runs(tmp_path_factory, flags)
     assert all(abs(py[i] - cpp[i]) < 1e-5 for i in py), (py, cpp)
     # Where the two trainers compute bit-identically, resuming across them must too.
     tol = 0.0 if py == cpp else 1e-5
     r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cc.csv"),
-                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+                      "--load", str(ck / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     again = _by_iteration(tmp_path / "cc.csv")
     assert sorted(again) == [4, 5, 6]
     assert all(again[i] == cpp[i] for i in again), (again, cpp)  # bit-identical
     r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cp.csv"),
-                      "--load", str(tmp_path / "pyck" / "iter_0000003")])
+                      "--load", str(ck / "pyck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     from_py = _by_iteration(tmp_path / "cp.csv")
     assert sorted(from_py) == [4, 5, 6]
     assert all(abs(from_py[i] - py[i]) <= tol for i in from_py), (from_py, py)
     r = _pretrain(4, [*common, "--no-progress",
                       "--eval-iters", "0", "--output-dir", str(tmp_path / "pc"),
-                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+                      "--load", str(ck / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     from_c = _by_iteration(tmp_path / "pc" / "loss.csv")
     assert sorted(from_c) == [4, 5, 6]
@@ -419,14 +429,13 @@ def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, flags):
 
 
 @pytest.mark.timeout(900)
-def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
+def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path, tmp_path_factory):
     """A Python TP2 x PP2 checkpoint loads into a C++ DP4 ZeRO-1 run and a C++
     TP2 x PP2 one into a Python TP2 x DP2 run (parameters and AdamW state
     resharded): the next loss is the saving run's within 1e-5. A flipped byte,
     a truncated file and a different model are clear errors naming the file
     or the field, in C++ and in Python."""
-    common, py, cpp = _ckpt_runs(
-        tmp_path, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    ck, common, py, cpp = _ckpt_runs(tmp_path_factory, TP2_PP2)
     base = [f for f in common]
     tp_at = base.index("--tensor-model-parallel-size")
     del base[tp_at:tp_at + 2]
@@ -434,14 +443,14 @@ def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
     del base[pp_at:pp_at + 2]
     r = _torchrun(4, ["--no-python", TRAIN_GPT, *base, "--use-distributed-optimizer",
                       "--loss-csv", str(tmp_path / "dp4.csv"),
-                      "--load", str(tmp_path / "pyck" / "iter_0000003")])
+                      "--load", str(ck / "pyck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     dp4 = _by_iteration(tmp_path / "dp4.csv")
     assert abs(dp4[4] - py[4]) < 1e-5, (dp4, py)
     r = _pretrain(4, [*base,
                       "--tensor-model-parallel-size", "2", "--no-progress", "--eval-iters", "0",
                       "--output-dir", str(tmp_path / "tp2dp2"),
-                      "--load", str(tmp_path / "cck" / "iter_0000003")])
+                      "--load", str(ck / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]
     assert abs(_by_iteration(tmp_path / "tp2dp2" / "loss.csv")[4] - cpp[4]) < 1e-5
 
@@ -449,7 +458,7 @@ def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
 
     def broken(name, damage):
         d = tmp_path / name
-        shutil.copytree(tmp_path / "cck" / "iter_0000003", d)
+        shutil.copytree(ck / "cck" / "iter_0000003", d)
         damage(d / "rank0.safetensors")
         return d
 
@@ -481,7 +490,7 @@ def test_cpp_checkpoints_reshard_and_refuse_what_is_broken(tmp_path):
                           str(tmp_path / "x"), "--load", str(d)])
         assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
     other = [f if f != "64" else "32" for f in base]  # --hidden-size 32
-    r = one_rank([*other, "--load", str(tmp_path / "cck")])
+    r = one_rank([*other, "--load", str(ck / "cck")])
     assert r.returncode != 0 and "checkpoint from an incompatible model: " in r.stderr \
         and " hidden_size = 64 in the checkpoint, 32 here" in r.stderr, r.stderr[-2000:]
 
