@@ -219,6 +219,12 @@ def _serve(rank: int, world: int, conn, dump_path: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    # What lives now (torch, megatronapp: ~300k objects) lives for the rank's
+    # life: out of the collector's sight, each full collection (the one after
+    # every body, and the automatic ones that stall one rank mid-run while its
+    # peers wait) costs ~5 ms instead of ~300 ms.
+    gc.collect()
+    gc.freeze()
     dump = open(dump_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     base = _Baseline()
@@ -251,6 +257,7 @@ def _serve(rank: int, world: int, conn, dump_path: str) -> None:
             return
         base.restore()
         gc.collect()
+        gc.freeze()  # what a body imported (transformers, matplotlib) stays too
         reusable = reusable and thread_count() <= _MAX_THREADS
         conn.send(("clean" if reusable else "retire", ""))
         if not reusable:

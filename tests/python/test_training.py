@@ -278,3 +278,72 @@ def test_a_custom_hook_sees_every_iteration(tmp_path):
     assert events[0] == ("start", 0) and events[-1] == ("close", True)
     assert [e[2] for e in events if e[0] == "end"] == [round(v, 6) for v in losses]
     assert recorded == 4
+
+
+def _manual_gc(rank, world, out_dir):
+    import gc
+
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Hook, train
+
+    full = []  # (iteration, automatic?) of each full collection
+    state = {"it": 0}
+
+    def watch(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(state["it"])
+
+    class Recorder(Hook):
+        def __init__(self):
+            self.enabled = []
+
+        def on_iteration_begin(self, run, it):
+            state["it"] = it + 1
+
+        def on_iteration_end(self, run, it, record):
+            self.enabled.append(gc.isenabled())
+
+    flags = FLAGS + ["--train-iters", "6", "--eval-interval", "3", "--output-dir", out_dir]
+    plain = train(build_parser().parse_args(flags))["losses"]
+    gc.unfreeze()  # as in a user's process that froze nothing
+    gc.callbacks.append(watch)
+    try:
+        rec = Recorder()
+        manual = train(build_parser().parse_args(flags + ["--manual-gc", "--manual-gc-interval",
+                                                          "2"]), hooks=[rec])["losses"]
+    finally:
+        gc.callbacks.remove(watch)
+    after = (gc.isenabled(), gc.get_freeze_count())
+    gc.freeze()  # the harness's state again
+    # A process that froze objects itself keeps them frozen.
+    train(build_parser().parse_args(flags + ["--manual-gc", "--no-manual-gc-eval"]))
+    kept = gc.get_freeze_count() > 0  # (objects freed since leave it; an unfreeze empties it)
+    return plain, manual, rec.enabled, full, after, kept
+
+
+def test_manual_gc_collects_at_fixed_points_and_restores_the_collector(tmp_path):
+    """--manual-gc: no automatic collection during training; full ones after
+    setup, every --manual-gc-interval iterations and around evaluations, at
+    the same points on every rank; the losses are the automatic collector's;
+    the collector (and the freeze) are as they were at the end."""
+    for plain, manual, enabled, full, after, kept in run_ranks(_manual_gc, 2, str(tmp_path)):
+        assert manual == plain
+        assert enabled == [False] * 6
+        # after setup; iterations 2, 4, 6; before and after the evaluation after 3; before
+        # the final validation
+        assert full == [0, 2, 3, 3, 4, 6, 6], full
+        assert after == (True, 0) and kept
+
+
+def test_manual_gc_flags_are_checked():
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, ConfigError
+
+    def check(flags):
+        with pytest.raises(ConfigError) as e:
+            Config.from_args(build_parser().parse_args(flags)).check(1)
+        return str(e.value)
+
+    assert "add --manual-gc" in check(["--manual-gc-interval", "100"])
+    assert "add --manual-gc" in check(["--no-manual-gc-eval"])
+    assert "must be >= 0" in check(["--manual-gc", "--manual-gc-interval", "-1"])

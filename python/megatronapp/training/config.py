@@ -431,6 +431,16 @@ class OptimConfig:
     calculate_per_token_loss: bool = _flag(
         False, "the loss is the mean over every unmasked token of the global batch (not the "
         "mean of the microbatches' means): exact under --eod-mask-loss, DP and CP")
+    manual_gc: bool = _flag(
+        False, "turn Python's automatic garbage collector off for the run: its full "
+        "collections stall one rank at a time while its peers wait. Collects after setup "
+        "(and freezes what lives then out of the collector's sight, unless the process froze "
+        "objects itself), every --manual-gc-interval iterations and around evaluations; the "
+        "collector is restored at the end")
+    manual_gc_interval: int = _flag(
+        0, "--manual-gc: collect every N iterations (0: only after setup and around "
+        "evaluations)", metavar="N")
+    no_manual_gc_eval: bool = _flag(False, "--manual-gc: no collection around evaluations")
 
 
 @dataclass
@@ -746,6 +756,13 @@ class Config:
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}")
         check_lr_schedule(o, self.explicit, ConfigError)
+        if o.manual_gc_interval < 0:
+            raise ConfigError(f"--manual-gc-interval {o.manual_gc_interval}: must be >= 0 "
+                              "(0: collect only after setup and around evaluations)")
+        if not o.manual_gc and (o.manual_gc_interval or o.no_manual_gc_eval):
+            raise ConfigError("--manual-gc-interval / --no-manual-gc-eval set how --manual-gc "
+                              "collects: add --manual-gc (without it Python's automatic "
+                              "collector runs)")
         resolve_train_iters(o)
         for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),
                             ("--eval-interval", o.eval_interval),

@@ -11,13 +11,14 @@ injector is one more class here, never a branch in the loop.
     train(args, hooks=[PrintLoss()])
 
 :func:`default_hooks` builds the ones the flags ask for: fault injection,
-tracing (+ online slow-rank detection), watchdog, preemption on SIGTERM,
+manual garbage collection, tracing (+ online slow-rank detection), watchdog, preemption on SIGTERM,
 allocation-trace recording, progress and summary output, TensorBoard.
 """
 
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from .. import trace as tracing
 
 __all__ = ["Hook", "default_hooks", "FaultInjectionHook", "TracingHook", "WatchdogHook", "ScopeHook",
            "PreemptionHook", "AllocationTraceHook", "ProgressHook", "OutputHook",
-           "TensorBoardHook", "CallbacksHook"]
+           "TensorBoardHook", "CallbacksHook", "GarbageCollectionHook"]
 
 
 class Hook:
@@ -495,9 +496,66 @@ class CallbacksHook(Hook):
         self.callbacks.end(it, record)
 
 
+class GarbageCollectionHook(Hook):
+    """--manual-gc (Megatron-LM's flags): Python's automatic collector off for
+    the run, full collections at points every rank reaches together — after
+    setup, every `interval` iterations, before and after each evaluation —
+    so no rank stalls alone while its peers wait in a collective. What lives
+    after setup (modules, parameters, optimizer state, imported libraries) is
+    frozen out of the collector's sight, so a collection scans only what
+    training made since; unless the process froze objects itself (gc.freeze
+    is process-wide: then it is left alone). Each collection is a "gc" span
+    in the trace. At the end the collector is as it was."""
+
+    EVALUATION_PHASES = ("evaluation", "validation")  # on_phase texts the loop sends
+
+    def __init__(self, interval: int = 0, around_evaluation: bool = True):
+        self.interval, self.around_evaluation = interval, around_evaluation
+        self.collections = 0
+        self._restore = None
+
+    def _collect(self):
+        with tracing.scope("gc", "runtime", lane=0):
+            gc.collect()
+        self.collections += 1
+
+    def on_start(self, run):
+        enabled, froze = gc.isenabled(), gc.get_freeze_count() == 0
+        self._restore = (enabled, froze)
+        gc.disable()
+        self._collect()
+        if froze:
+            gc.freeze()
+
+    def on_iteration_end(self, run, it, record):
+        if self.interval and (it + 1) % self.interval == 0:
+            self._collect()
+
+    def on_phase(self, run, text):
+        if self.around_evaluation and text.startswith(self.EVALUATION_PHASES):
+            self._collect()
+
+    def on_evaluate(self, run, it, valid_loss):
+        if self.around_evaluation:
+            self._collect()
+
+    def close(self, error=None):
+        if self._restore is None:
+            return
+        enabled, froze = self._restore
+        self._restore = None
+        if froze:
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
 def default_hooks(config, world: int) -> list:
     """The hooks the flags ask for, in call order."""
     hooks = [FaultInjectionHook()]
+    if config.optim.manual_gc:
+        hooks.append(GarbageCollectionHook(config.optim.manual_gc_interval,
+                                           not config.optim.no_manual_gc_eval))
     if config.trace.trace:
         hooks.append(TracingHook(config.trace))
     if world > 1 and not config.checkpoint.no_watchdog:
