@@ -90,7 +90,7 @@ DEMO_CMD = $(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --mas
 	  --pipeline-schedule dynamic --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
 	  --micro-batch-size 4 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 50 \
 	  --use-distributed-optimizer --memory-pool --eval-interval 25 \
-	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir $(DEMO_OUT)
+	  --train-iters $(DEMO_ITERS) --log-interval 25 --output-dir $(DEMO_OUT) --save $(DEMO_OUT)/ckpt
 
 demo: build
 	$(DEMO_CMD)

@@ -22,4 +22,9 @@ def test_the_demo_trains_and_ends_without_a_stack_trace(tmp_path):
     assert p.returncode == 0, text[-4000:]
     assert "done: 6 iterations" in text, text[-4000:]
     assert (out / "summary.json").exists()
+    # what the README serves next (python -m megatronapp.serve --load runs/demo/ckpt)
+    from megatronapp.inference import checkpoint_model_config
+
+    cfg, path = checkpoint_model_config(str(out / "ckpt"))
+    assert path.endswith("iter_0000006") and cfg.num_layers == 4
     assert_no_stack_trace(text, "make demo")

@@ -34,6 +34,7 @@ from .. import packed_sequence
 from .. import scope_taps as taps
 from ..autograd import linear
 from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
+from ..inference import kv_cache
 from ..parallel_state import ParallelState
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -508,15 +509,25 @@ class ParallelAttention(nn.Module):
     def heads(self, x: torch.Tensor):
         """q, k, v [b, local heads, s, d] of `x` [s (/tp under SP), b, hidden]:
         projected, normalized and rotated as configured."""
+        q, k, v = self.grouped_heads(x)
+        return (q, *self.expand_groups(k, v))
+
+    def grouped_heads(self, x: torch.Tensor):
+        """q [b, local heads, s, d] and k, v [b, local query groups, s, d]:
+        what a KV cache stores (before grouped-query expansion)."""
         qkv = self.qkv(x)  # [s, b, local (heads + 2 groups) * head_dim]
         q, k, v = self._split_qkv(qkv)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = self._rotate(q, k)
-        if self.queries_per_group > 1:  # every query head sees its group's key and value
+        return q, k, v
+
+    def expand_groups(self, k: torch.Tensor, v: torch.Tensor):
+        """Every query head sees its group's key and value."""
+        if self.queries_per_group > 1:
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
-        return q, k, v
+        return k, v
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor):
         if self.rotary is None:
@@ -526,6 +537,9 @@ class ParallelAttention(nn.Module):
                 apply_rotary(k, cos, sin, self.rotary.interleaved))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = kv_cache.current()
+        if cache is not None:
+            return self._cached_forward(x, cache)
         q, k, v = self.heads(x)
         b, s = q.shape[0], q.shape[2]
         scope = taps.ACTIVE if self.tapped else None
@@ -538,6 +552,18 @@ class ParallelAttention(nn.Module):
             ctx = self.core_attention(q, k, v)
         if scope is not None:
             ctx = scope.tap("attn_context", self.layer_number, ctx, "heads")
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * ctx.shape[-1])
+        return self.proj(ctx)
+
+    def _cached_forward(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Incremental decoding (inference.kv_cache): the new columns' keys
+        and values join the cache; their queries attend to everything cached."""
+        if self.context_group is not None:
+            raise ValueError("KV-cached generation runs without context parallelism")
+        q, k, v = self.grouped_heads(x)
+        k, v = self.expand_groups(*cache.extend(self, k, v))
+        ctx = cache.attend(q, k, v, self.softmax_scale)
+        b, s = q.shape[0], q.shape[2]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * ctx.shape[-1])
         return self.proj(ctx)
 

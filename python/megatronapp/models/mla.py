@@ -92,9 +92,12 @@ class MultiLatentAttention(ParallelAttention):
             heads * self.v_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,
             sequence_parallel=sp, init_method=normal_init(output_std), parallel_state=state)
 
-    def heads(self, x: torch.Tensor):
+    queries_per_group = 1  # every head has its own key and value (cached whole)
+
+    def grouped_heads(self, x: torch.Tensor):
         """q, k [b, local heads, s, qk + pe] and v [b, local heads, s, v] of `x`
-        [s (/tp under SP), b, hidden]."""
+        [s (/tp under SP), b, hidden]. A KV cache stores k and v per head (the
+        up-projected latent, not the latent itself)."""
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:

@@ -62,24 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_config(args, tp: int, tokenizer_vocab: int):
-    from ..checkpoint import CheckpointError, read_metadata
     from ..data import padded_vocab_size
+    from ..inference import checkpoint_model_config
     from ..models import GPTConfig
 
-    fields = set(GPTConfig.__dataclass_fields__)
     if args.checkpoint:
         try:
-            found = read_metadata(args.checkpoint)
-        except CheckpointError as e:
-            raise SystemExit(f"--checkpoint {args.checkpoint}: {e}") from None
-        if found is None:
-            raise SystemExit(f"--checkpoint {args.checkpoint}: no checkpoint there")
-        path, meta = found
-        saved = meta.get("config") or {}
-        if "vocab_size" not in saved:
-            raise SystemExit(f"--checkpoint {path}: its metadata has no model config")
-        cfg = {k: v for k, v in saved.items() if k in fields}
-        return GPTConfig(**cfg), path
+            return checkpoint_model_config(args.checkpoint)
+        except ValueError as e:
+            raise SystemExit(f"--checkpoint {e}") from None
     try:
         cfg = GPTConfig(
             vocab_size=padded_vocab_size(tokenizer_vocab, tp, 128),

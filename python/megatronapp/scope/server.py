@@ -11,7 +11,8 @@ HTTP/JSON and WebSocket API (docs/scope.md):
 Requests are validated here, before they reach the ranks; every error is
 ``{"error": "..."}`` with status 400 (413 for an oversized body). The server
 binds 127.0.0.1 by default; any other address needs a token (``--token``),
-sent as ``Authorization: Bearer T`` or ``?token=T``. Commands go to the
+sent as ``Authorization: Bearer T`` or ``?token=T`` (megatronapp._http, which
+the generation server shares). Commands go to the
 rank-0 thread that drives the model through a queue, so a client that
 connects, disconnects or misbehaves never touches the training loop.
 """
@@ -19,13 +20,12 @@ connects, disconnects or misbehaves never touches the training loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import logging
 import os
 import queue
 import threading
 
+from .._http import HttpServerThread
 from . import ScopeError, check_perturbation
 
 __all__ = ["ScopeServer", "validate", "MAX_REQUEST_BYTES"]
@@ -33,26 +33,6 @@ __all__ = ["ScopeServer", "validate", "MAX_REQUEST_BYTES"]
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_BACKLOG = 8  #: events waiting to be sent before newer ones are dropped
 STATIC = os.path.join(os.path.dirname(__file__), "static")
-
-
-class _OneLineBadRequests(logging.Filter):
-    """A malformed request is the client's fault, answered with 400: aiohttp
-    logs it with a full traceback, which in a training log reads like a
-    crash. It becomes one line naming the client's mistake."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        if isinstance(exc, HttpProcessingError):
-            reason = " ".join(str(getattr(exc, "message", exc)).split())
-            record.msg = f"MegaScope: rejected a malformed request ({exc.code}: {reason})"
-            record.args, record.exc_info, record.exc_text = (), None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-_BAD_REQUESTS = _OneLineBadRequests()
 
 
 def _plotly_js() -> str | None:
@@ -146,121 +126,40 @@ def validate(cmd) -> dict:
                      "unwatch")
 
 
-class ScopeServer:
+class ScopeServer(HttpServerThread):
     """The web server on a daemon thread. ``requests`` holds (command,
     reply) pairs for the thread that drives the ranks; ``publish`` pushes
     an event to every WebSocket client."""
 
+    client_errors = (ScopeError,)
+    thread_name = "mapp-scope-server"
+
     def __init__(self, host: str = "127.0.0.1", port: int = 8080, token: str | None = None):
-        if host not in ("127.0.0.1", "localhost", "::1") and not token:
-            raise ScopeError(f"binding {host} exposes the model beyond this machine: give "
-                             "--token T (clients send 'Authorization: Bearer T')")
-        self.host, self.port, self.token = host, port, token
-        self.requests: queue.Queue = queue.Queue(maxsize=64)
+        super().__init__(host, port, token, max_request_bytes=MAX_REQUEST_BYTES,
+                         refuse=ScopeError)
         self._clients: set = set()
         self._backlog = 0  # events queued for sending (under _lock)
         self._lock = threading.Lock()
         self.dropped = 0  #: events dropped because clients were slower than training
-        self._loop = None
-        self._runner = None
-        self._ready = threading.Event()
-        self._error = None
-        self._thread = threading.Thread(target=self._main, name="mapp-scope-server", daemon=True)
 
-    # ---- lifecycle --------------------------------------------------------
-    def start(self) -> ScopeServer:
-        self._thread.start()
-        self._ready.wait(30)
-        if self._error is not None:
-            raise self._error
-        return self
+    def routes(self, app) -> None:
+        app.router.add_get("/", self._index)
+        app.router.add_get("/api/info", self._api)
+        for op in ("generate", "perturb", "clear", "info", "watch", "unwatch"):
+            app.router.add_post(f"/api/{op}", self._api)
+        app.router.add_get("/ws", self._ws)
+        app.router.add_get("/static/plotly.min.js", self._plotly)
+        app.router.add_static("/static/", STATIC)
 
-    def stop(self) -> None:
-        """Closes the clients and the listener; never raises (a client that
-        does not go away cannot hold the run's exit: the thread is a daemon)."""
-        if self._loop is None:
-            return
-
-        async def shutdown():
-            for ws in list(self._clients):
-                try:
-                    await asyncio.wait_for(ws.close(code=1001, message=b"run ended"), 2)
-                except Exception:  # noqa: BLE001 - a client that vanished
-                    pass
-            await self._runner.cleanup()
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop = None
-
-    def _main(self) -> None:
-        from aiohttp import web
-
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            app = web.Application(client_max_size=MAX_REQUEST_BYTES,
-                                  middlewares=[self._errors, self._auth])
-            app.router.add_get("/", self._index)
-            app.router.add_get("/api/info", self._api)
-            for op in ("generate", "perturb", "clear", "info", "watch", "unwatch"):
-                app.router.add_post(f"/api/{op}", self._api)
-            app.router.add_get("/ws", self._ws)
-            app.router.add_get("/static/plotly.min.js", self._plotly)
-            app.router.add_static("/static/", STATIC)
-            server_log = logging.getLogger("aiohttp.server")
-            if _BAD_REQUESTS not in server_log.filters:
-                server_log.addFilter(_BAD_REQUESTS)
-            self._runner = web.AppRunner(app, access_log=None)
-            loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
-            loop.run_until_complete(site.start())
-            self.port = self._runner.addresses[0][1]
-            self._loop = loop
-        except Exception as e:  # noqa: BLE001 - reported by start()
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-
-    # ---- middleware -------------------------------------------------------
-    @staticmethod
-    def _json_error(status: int, text: str):
-        from aiohttp import web
-
-        return web.json_response({"error": text}, status=status)
-
-    async def _errors(self, app, handler):
-        from aiohttp import web
-
-        async def wrapped(request):
+    async def before_shutdown(self) -> None:
+        for ws in list(self._clients):
             try:
-                return await handler(request)
-            except web.HTTPRequestEntityTooLarge:
-                return self._json_error(413, f"request larger than {MAX_REQUEST_BYTES} bytes")
-            except web.HTTPException:
-                raise
-            except json.JSONDecodeError as e:
-                return self._json_error(400, f"malformed JSON: {e}")
-            except ScopeError as e:
-                return self._json_error(400, str(e))
-        return wrapped
+                await asyncio.wait_for(ws.close(code=1001, message=b"run ended"), 2)
+            except Exception:  # noqa: BLE001 - a client that vanished
+                pass
 
-    async def _auth(self, app, handler):
-        async def wrapped(request):
-            if self.token is None:
-                return await handler(request)
-            given = request.query.get("token") or request.headers.get(
-                "Authorization", "").removeprefix("Bearer ")
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                return self._json_error(401, "missing or wrong token (send 'Authorization: "
-                                             "Bearer T' or ?token=T)")
-            return await handler(request)
-        return wrapped
+    def _json_error(self, status: int, text: str):
+        return self.error_response(status, text)
 
     # ---- handlers ---------------------------------------------------------
     async def _index(self, request):

@@ -1,0 +1,172 @@
+"""Batched, KV-cached generation over tensor- and pipeline-parallel ranks.
+
+Every rank of a model replica (its tensor x pipeline ranks) calls
+:meth:`InferenceEngine.generate` with the same requests. One forward per
+step: the prompts' prefill first (left-padded to one length, kv_cache), then
+one token per sequence. A stage receives the previous stage's hidden states
+[n, b, h] (point-to-point), runs its layers with the cache active and sends
+them on; the last stage gathers the last column's logits over the tensor
+group, and its first tensor rank chooses each sequence's token
+(:func:`~megatronapp.inference.sampling.choose`, the request's own
+generator) and decides which sequences are finished (length, end of
+document, a stop string). It broadcasts (token, log-probability, finished)
+to the replica, so every rank keeps the same batch; finished sequences
+leave the batch and the cache.
+
+Sequence parallelism is off (one new token cannot be split over the tensor
+group; the weights are the same), as in Megatron-LM's inference.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import torch
+
+from .. import packed_sequence
+from . import kv_cache
+from .sampling import SamplingParams, choose
+
+__all__ = ["InferenceEngine", "Completion"]
+
+
+class Completion(dict):
+    """{"tokens", "logprobs", "finish_reason" ("length" or "stop")}."""
+
+
+class InferenceEngine:
+    """`model`: this rank's stage (a GPTModel in eval mode, built with
+    ``pre_process`` / ``post_process`` for its place in the pipeline);
+    `state`: the ParallelState; `vocab`: the tokenizer's vocabulary (ids at
+    or above it, the padding rows of the embedding, are never chosen); `eod`:
+    the end-of-document id (None: none); `stop_check(tokens, stop)`: on the
+    choosing rank, True when a request's tokens so far contain one of its
+    stop strings."""
+
+    def __init__(self, model, state, *, vocab: int | None = None, eod: int | None = None,
+                 stop_check=None):
+        self.model, self.state = model.eval(), state
+        self.cfg = model.config
+        if self.cfg.sequence_parallel:
+            raise ValueError("generation needs a model built without sequence parallelism "
+                             "(the weights are the same: build it with sequence_parallel=False)")
+        if state.cp_size > 1:
+            raise ValueError("generation runs without context parallelism")
+        self.vocab, self.eod, self.stop_check = vocab, eod, stop_check
+        self.first, self.last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
+        pp = state.group_ranks.get("pp", [dist.get_rank() if dist.is_initialized() else 0])
+        self.prev = pp[state.pp_rank - 1] if not self.first else None
+        self.next = pp[state.pp_rank + 1] if not self.last else None
+        replica = state.group_ranks.get("mp", pp)
+        self.chooser = next(
+            (r for r in replica if state.grid.coord(r).pp == state.pp_size - 1
+             and state.grid.coord(r).tp == 0), replica[-1])
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.is_chooser = me == self.chooser
+        self.group = state.model_group if len(replica) > 1 else None
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.no_grad()
+    def generate(self, prompts: list, params: list, on_token=None) -> list:
+        """`prompts`: token-id lists (non-empty); `params`: one SamplingParams
+        each. `on_token(i, token, logprob, finish_reason or None)` is called on
+        every rank as each token is chosen. Returns a Completion per request."""
+        if len(prompts) != len(params) or not prompts:
+            raise ValueError("generate: give one SamplingParams per prompt, and at least one")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: a prompt has no tokens")
+        for p, sp in zip(prompts, params, strict=True):  # positions stay within the model's
+            if len(p) + sp.max_tokens > self.cfg.seq_length:
+                raise ValueError(f"a prompt of {len(p)} tokens and max_tokens {sp.max_tokens} "
+                                 f"exceed the model's seq_length {self.cfg.seq_length}")
+        width = max(len(p) for p in prompts)
+        capacity = width + max(p.max_tokens for p in params)  # columns (left padding)
+        b = len(prompts)
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding: every sequence ends at the last column
+            tokens[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, width - len(p):] = True
+        gens = [self._generator(p) if self.is_chooser else None for p in params]
+        out = [Completion(tokens=[], logprobs=[], finish_reason=None) for _ in prompts]
+        rows = list(range(b))  # the requests still in the batch, in batch order
+        cache = kv_cache.KVCache(b, capacity, self.device)
+        while rows:
+            cache.step(valid)
+            seen = cache.valid[:, :cache.length + cache.new]
+            pos = kv_cache.position_ids(seen)[:, cache.length:]
+            logits = self._forward(tokens, pos, cache)
+            cache.advance()
+            picked = self._choose(logits, rows, params, gens, out)
+            kept = []
+            for j, i in enumerate(rows):
+                token, logprob, finished = int(picked[j, 0]), float(picked[j, 1]), \
+                    int(picked[j, 2])
+                out[i]["tokens"].append(token)
+                out[i]["logprobs"].append(logprob)
+                reason = (None, "length", "stop")[finished]
+                out[i]["finish_reason"] = reason
+                if on_token is not None:
+                    on_token(i, token, logprob, reason)
+                if reason is None:
+                    kept.append(j)
+            if len(kept) < len(rows):
+                cache.keep(torch.tensor(kept, dtype=torch.long))
+                rows = [rows[j] for j in kept]
+                picked = picked[kept]
+            tokens = picked[:, :1].long()
+            valid = torch.ones(len(rows), 1, dtype=torch.bool)
+        return out
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature == 0.0:
+            return None
+        g = torch.Generator()
+        if params.seed is not None:
+            g.manual_seed(params.seed)
+        else:
+            g.seed()
+        return g
+
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor | None:
+        """This stage's part of one forward; the last stage returns the last
+        column's full-vocabulary logits [b, V] (float32), the others None."""
+        b, n = tokens.shape
+        if self.first:
+            x = tokens.to(self.device)
+        else:
+            x = torch.empty(n, b, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.prev)
+        with packed_sequence.active(packed_sequence.PackedSeq(position_ids=pos.to(self.device))), \
+                kv_cache.active(cache):
+            y = self.model(x)
+        if not self.last:
+            dist.send(y.contiguous(), dst=self.next)
+            return None
+        logits = y[:, -1]  # [b, V/tp]
+        if self.state.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.state.tp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=self.state.tensor_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits.float().cpu()
+
+    def _choose(self, logits, rows, params, gens, out) -> torch.Tensor:
+        """[len(rows), 3] float64 (token, log-probability, 0 / 1 length / 2
+        stop), chosen on the choosing rank and broadcast to the replica."""
+        picked = torch.zeros(len(rows), 3, dtype=torch.float64)
+        if self.is_chooser:
+            if self.vocab is not None and self.vocab < logits.shape[-1]:
+                logits[:, self.vocab:] = float("-inf")
+            for j, i in enumerate(rows):
+                p = params[i]
+                token, logprob = choose(logits[j], p, gens[i])
+                done = len(out[i]["tokens"]) + 1 >= p.max_tokens
+                stop = ((token == self.eod and not p.ignore_eos) or (
+                    self.stop_check is not None and p.stop
+                    and self.stop_check(out[i]["tokens"] + [token], p.stop)))
+                picked[j] = torch.tensor([token, logprob, 2 if stop else 1 if done else 0],
+                                         dtype=torch.float64)
+        if self.group is not None:
+            dist.broadcast(picked, src=self.chooser, group=self.group)
+        return picked

@@ -1,0 +1,125 @@
+"""The key/value cache of incremental decoding.
+
+A batch's sequences are left-padded to one length, so every sequence's n-th
+new token sits at the same column: the cache holds, per attention module,
+keys and values [b, groups, capacity, d] (before grouped-query expansion, so
+GQA caches only its groups), the columns filled so far (:attr:`length`) and
+which columns are real tokens (:attr:`valid`). A forward of n new tokens
+(the prompts' prefill, then one token per step) appends their keys and
+values at columns [length, length + n) and attends with the mask
+
+    key j visible to query i  <=>  valid[j] and j <= length + i   (causal)
+
+plus each column to itself, so a padding query attends to something (its
+output is never used; without it a row of -inf would turn into NaN values
+that later layers' masked products would spread, since 0 x NaN = NaN).
+Positions (RoPE's angles, the learned table's rows) count real tokens only:
+:func:`position_ids`.
+
+The model's attention modules read the cache from :func:`current` while a
+:func:`active` block runs; :meth:`KVCache.step` marks the columns of the next
+forward. Finished sequences leave the batch with :meth:`KVCache.keep`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn.functional as F
+
+import torch
+
+__all__ = ["KVCache", "active", "current", "position_ids"]
+
+_CURRENT: list = [None]
+
+
+def current() -> KVCache | None:
+    return _CURRENT[0]
+
+
+@contextlib.contextmanager
+def active(cache: KVCache | None):
+    prev, _CURRENT[0] = _CURRENT[0], cache
+    try:
+        yield
+    finally:
+        _CURRENT[0] = prev
+
+
+def position_ids(valid: torch.Tensor) -> torch.Tensor:
+    """[b, L] int64: each real token's index among its sequence's real tokens
+    (padding columns get 0)."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class KVCache:
+    """Keys and values of every attention module of this rank's stage for a
+    batch of `batch` sequences of at most `capacity` columns."""
+
+    def __init__(self, batch: int, capacity: int, device=None):
+        self.capacity, self.device = capacity, device
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.length = 0  #: columns filled by finished forwards
+        self.new = 0  #: columns of the forward in progress
+        self._kv: dict = {}  # id(module) -> (keys, values)
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    def step(self, valid_new: torch.Tensor) -> None:
+        """Before a forward of valid_new.shape[1] new columns ([b, n] bool:
+        which are real tokens)."""
+        n = valid_new.shape[1]
+        if self.length + n > self.capacity:
+            raise ValueError(f"the KV cache holds {self.capacity} columns; {self.length} are "
+                             f"filled and {n} more were asked for")
+        self.valid[:, self.length:self.length + n] = valid_new.to(self.valid.device)
+        self.new = n
+
+    def advance(self) -> None:
+        """After the forward: its columns are part of the cache."""
+        self.length += self.new
+        self.new = 0
+
+    def extend(self, module, k: torch.Tensor, v: torch.Tensor):
+        """Stores `module`'s keys and values of the new columns (k, v [b, g,
+        n, d]) and returns all of its cached ones [b, g, length + n, d]."""
+        n, end = k.shape[2], self.length + k.shape[2]
+        if n != self.new:
+            raise RuntimeError(f"KV cache: {n} new keys, but step() announced {self.new}")
+        entry = self._kv.get(id(module))
+        if entry is None:
+            b, g, _, d = k.shape
+            entry = (k.new_empty(b, g, self.capacity, d),
+                     v.new_empty(b, v.shape[1], self.capacity, v.shape[3]))
+            self._kv[id(module)] = entry
+        keys, values = entry
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def mask(self) -> torch.Tensor:
+        """[b, 1, n, length + n] bool: what each new column's query sees."""
+        end = self.length + self.new
+        q = torch.arange(self.length, end, device=self.valid.device)
+        k = torch.arange(end, device=self.valid.device)
+        causal = k[None, :] <= q[:, None]
+        seen = causal[None] & self.valid[:, None, :end]
+        return (seen | (k[None, :] == q[:, None])[None]).unsqueeze(1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """softmax(q k^T scale, masked) v for q [b, heads, n, d] against the
+        cached k, v [b, heads, length + n, d]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask().to(q.device),
+                                              scale=scale)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keeps only the batch rows `rows` (int64 indices), in that order."""
+        rows = rows.to(self.valid.device)
+        self.valid = self.valid.index_select(0, rows)
+        self._kv = {key: (kk.index_select(0, rows.to(kk.device)),
+                          vv.index_select(0, rows.to(vv.device)))
+                    for key, (kk, vv) in self._kv.items()}
