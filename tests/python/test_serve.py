@@ -182,7 +182,7 @@ def _serve(ckpt, tmp_path, world=2, extra=()):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megatronapp.serve", "--load", ckpt, "--port", "0",
              "--port-file", port_file, "--tensor-model-parallel-size", str(world),
-             "--model-name", "tiny", "--token", TOKEN, *extra],
+             "--model-name", "tiny", "--token", TOKEN, "--seq-length", "64", *extra],
             env=env, stdout=log, stderr=log))
     t0 = time.monotonic()
     while not os.path.exists(port_file):
@@ -298,8 +298,8 @@ def test_server_answers_concurrent_clients_with_the_references_text(ckpts, refer
         assert "malformed JSON" in error(400, api, raw=b"{nope")["message"]
         e = error(400, api, {"prompt": "x", "max_token": 3})
         assert "max_token" in e["message"] and e["param"] == "max_token"
-        e = error(400, api, {"prompt": "x", "max_tokens": 1000})
-        assert e["param"] == "max_tokens" and "seq_length is 64" in e["message"]
+        e = error(400, api, {"prompt": "x", "max_tokens": 64})
+        assert e["param"] == "max_tokens" and "the model's seq_length is 64" in e["message"]
         assert "prompt" in error(400, api, {"prompt": ""})["message"]
         assert "prompt" in error(400, api, {"prompt": [1, 99999]})["message"]
         assert "temperature" in error(400, api, {"prompt": "x", "temperature": "hot"})["message"]
@@ -313,11 +313,11 @@ def test_server_answers_concurrent_clients_with_the_references_text(ckpts, refer
         _stop(procs)
 
 
-def _layout(rank, world, ckpt, tp, pp):
+def _layout(rank, world, ckpt, tp, pp, seq_length=None):
     from megatronapp.inference import load_model
 
     try:
-        load_model(ckpt, tp, pp)
+        load_model(ckpt, tp, pp, seq_length=seq_length)
     except ValueError as e:
         return str(e)
 
@@ -332,5 +332,7 @@ def test_server_refuses_an_exposed_address_without_a_token_and_bad_layouts(ckpts
     assert "launch 4 ranks" in run_ranks(_layout, 2, ckpts["llama"], 2, 2)[0]
     assert "do not split evenly over --pipeline-model-parallel-size 3" in \
         run_ranks(_layout, 3, ckpts["llama"], 1, 3)[0]
+    assert "learned position table has 64 rows" in run_ranks(_layout, 1, ckpts["gpt"], 1, 1,
+                                                             65)[0]
     with pytest.raises(ValueError, match="no checkpoint there"):
         load_model("/nonexistent/ckpt")

@@ -8,13 +8,13 @@ it. The server on top is :mod:`megatronapp.serve`.
     engine = InferenceEngine(model, state, vocab=tok.vocab_size, eod=tok.eod)
     out = engine.generate([tok.tokenize("In the beginning")], [SamplingParams(max_tokens=20)])
 
-Nothing here imports the model at import time (the model imports
-``kv_cache``).
+The cache itself lives with the model (``megatronapp.models.kv_cache``:
+the attention layers read it); it is re-exported here.
 """
 
 from __future__ import annotations
 
-from . import kv_cache
+from ..models import kv_cache
 from .engine import Completion, InferenceEngine
 from .loading import checkpoint_model_config, load_model
 from .sampling import SamplingParams, choose

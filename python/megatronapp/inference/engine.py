@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch
 
 from .. import packed_sequence
-from . import kv_cache
+from ..models import kv_cache
 from .sampling import SamplingParams, choose
 
 __all__ = ["InferenceEngine", "Completion"]

@@ -6,7 +6,11 @@ import dataclasses
 
 import torch
 
-__all__ = ["checkpoint_model_config", "load_model"]
+__all__ = ["checkpoint_model_config", "load_model", "UNSTORED_SEQ_LENGTH"]
+
+#: the longest sequence of a checkpoint that stores none (rotary or no
+#: position embeddings: nothing limits it but memory); --seq-length overrides
+UNSTORED_SEQ_LENGTH = 4096
 
 
 def checkpoint_model_config(path: str):
@@ -28,16 +32,21 @@ def checkpoint_model_config(path: str):
     if "vocab_size" not in saved:
         raise ValueError(f"{where}: its metadata has no model config")
     fields = set(GPTConfig.__dataclass_fields__)
-    return GPTConfig(**{k: v for k, v in saved.items() if k in fields}), where
+    cfg = {k: v for k, v in saved.items() if k in fields}
+    if "seq_length" not in cfg:  # RoPE / no positions: no table, so no length is stored
+        cfg["seq_length"] = UNSTORED_SEQ_LENGTH
+    return GPTConfig(**cfg), where
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-               device=None):
+               device=None, seq_length: int | None = None):
     """This rank's stage of the checkpoint's model, in eval mode, with the
     layers split evenly over `pp` stages and the weights resharded for `tp`
     (any saving layout loads): (model, ParallelState). Call on every rank
     after ``torch.distributed.init_process_group``; the world must be tp x
-    pp. Sequence parallelism, recomputation and dropout are off."""
+    pp. Sequence parallelism, recomputation and dropout are off.
+    `seq_length`: the longest prompt + completion (default the checkpoint's;
+    a learned position table cannot be exceeded)."""
     import torch.distributed as dist
 
     from .. import initialize_model_parallel
@@ -57,6 +66,13 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = 
         if n % tp:
             raise ValueError(f"the model's {what} {n} does not divide over "
                              f"--tensor-model-parallel-size {tp}")
+    if seq_length is not None:
+        if seq_length < 1:
+            raise ValueError(f"--seq-length {seq_length}: must be >= 1")
+        if cfg.position_embedding_type == "learned_absolute" and seq_length > cfg.seq_length:
+            raise ValueError(f"--seq-length {seq_length}: the model's learned position table "
+                             f"has {cfg.seq_length} rows")
+        cfg = dataclasses.replace(cfg, seq_length=seq_length)
     cfg = dataclasses.replace(cfg, sequence_parallel=False, recompute_granularity=None,
                               recompute_method=None, recompute_num_layers=None,
                               hidden_dropout=0.0, attention_dropout=0.0)

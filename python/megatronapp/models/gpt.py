@@ -34,7 +34,6 @@ from .. import packed_sequence
 from .. import scope_taps as taps
 from ..autograd import linear
 from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
-from ..inference import kv_cache
 from ..parallel_state import ParallelState
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -45,6 +44,7 @@ from ..tensor_parallel import (
 )
 from ..tensor_parallel.random import check_recompute, checkpoint, dropout, get_rng_tracker
 from ..tensor_parallel.utils import divide, resolve_state, sharded_parameter
+from . import kv_cache
 from .rotary import RotaryEmbedding, apply_rotary, positions
 
 
@@ -556,7 +556,7 @@ class ParallelAttention(nn.Module):
         return self.proj(ctx)
 
     def _cached_forward(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """Incremental decoding (inference.kv_cache): the new columns' keys
+        """Incremental decoding (models.kv_cache): the new columns' keys
         and values join the cache; their queries attend to everything cached."""
         if self.context_group is not None:
             raise ValueError("KV-cached generation runs without context parallelism")

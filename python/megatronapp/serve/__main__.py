@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients send 'Authorization: Bearer T' (default $MAPP_SERVE_TOKEN)")
     p.add_argument("--model-name", default=None,
                    help="the name clients give as \"model\" (default: the --load folder's)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="the longest prompt + completion (default: the checkpoint's; 4096 for "
+                        "a rotary checkpoint, which stores none; never past a learned position "
+                        "table)")
     p.add_argument("--max-batch-size", type=int, default=16,
                    help="prompts generated together")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -83,7 +87,8 @@ def serve(args) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     try:
-        model, state = load_model(args.load, tp, pp, dtype=dtype, device=device)
+        model, state = load_model(args.load, tp, pp, dtype=dtype, device=device,
+                                  seq_length=args.seq_length)
         tok = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                               merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
     except (ValueError, OSError) as e:
