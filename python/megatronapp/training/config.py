@@ -123,6 +123,28 @@ class PrecisionConfig:
     min_loss_scale: float = _flag(1.0, "fp16: the dynamic loss scale never goes below this")
     loss_scale_window: int = _flag(1000, "fp16: overflow-free steps before the scale doubles")
     hysteresis: int = _flag(2, "fp16: overflows tolerated before the scale halves")
+    fp8_format: str | None = _flag(
+        None, "FP8 GEMMs in the tensor-parallel linears (megatronapp.fp8, emulated: FP8 "
+        "operands with per-tensor scales, fp32 accumulation): e4m3 everywhere, or hybrid "
+        "(E4M3 forward, E5M2 output gradients)", choices=("e4m3", "hybrid"))
+    fp8_recipe: str = _flag(
+        "delayed", "FP8 scaling: delayed (from the amax history of past iterations, agreed "
+        "over the ranks holding the same layers) or tensorwise (each tensor's own amax, now)",
+        choices=("delayed", "tensorwise"))
+    fp8_amax_history_len: int = _flag(1, "FP8 delayed scaling: iterations of amax history")
+    fp8_amax_compute_algo: str = _flag(
+        "most_recent", "FP8 delayed scaling: the history's most recent amax or its max",
+        choices=("most_recent", "max"))
+    fp8_margin: int = _flag(0, "FP8: scales are divided by 2^margin (headroom)")
+
+    def fp8(self):
+        """The :class:`megatronapp.fp8.FP8Recipe` of the flags, or None."""
+        if self.fp8_format is None:
+            return None
+        from ..fp8 import FP8Recipe
+
+        return FP8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_amax_history_len,
+                         self.fp8_amax_compute_algo, self.fp8_margin)
 
     def dtype(self):
         import torch
@@ -1030,6 +1052,21 @@ class Config:
                               f"--initial-loss-scale {pr.initial_loss_scale}]")
         if pr.loss_scale_window < 1 or pr.hysteresis < 1:
             raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
+        if pr.fp8_format is None and any(
+                getattr(pr, f) != getattr(PrecisionConfig, f) for f in (
+                    "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo",
+                    "fp8_margin")):
+            raise ConfigError("--fp8-recipe/--fp8-amax-history-len/--fp8-amax-compute-algo/"
+                              "--fp8-margin set how FP8 scales: add --fp8-format e4m3|hybrid")
+        if pr.fp8_format is not None:
+            try:
+                pr.fp8()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.parallel.forward_backward_disaggregating:
+                raise ConfigError("--fp8-format does not run with "
+                                  "--forward-backward-disaggregating yet (the forward ranks "
+                                  "would need the backward ranks' scales)")
         rc = self.recompute
         if rc.recompute_activations and rc.recompute_granularity not in (None, "selective"):
             raise ConfigError(f"--recompute-activations (selective) contradicts "

@@ -465,6 +465,11 @@ def build_run(config: Config, hooks=(), task=None) -> Run:
     dataset = task.build_dataset(config)
     cfg = task.model_config(config, state, dataset)
     modules = task.build_chunks(config, plan, state, cfg, device)
+    recipe = config.precision.fp8()
+    if recipe is not None:  # before resume: its scales and amax history are checkpointed
+        from .. import fp8
+
+        fp8.enable(modules, recipe)
     # Dropout: the default generator alike over the tensor group, the tracked
     # tensor-parallel state per tensor rank, both per stage (Megatron's
     # seed + 100 x pipeline rank). After the model: its weights do not move.

@@ -213,6 +213,12 @@ def train_step(run, it: int) -> StepResult:
     run.extra["mtp_losses"] = []
     loss = _global_batch_loss(run, "train", it, backward=True)
     mtp = _mtp_losses(run)
+    recipe = run.config.precision.fp8()
+    if recipe is not None:  # delayed scaling: this iteration's amaxes make the next scales
+        from .. import fp8
+
+        st = run.state
+        fp8.update(run.chunks, recipe, (st.tensor_group, st.data_context_group or st.data_group))
     with tracing.scope("optimizer", "optimizer", lane=0):
         grad_norm = finish_gradients(run.chunks, run.optimizer, run.state,
                                      run.config.optim.clip_grad)

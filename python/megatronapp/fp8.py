@@ -1,0 +1,250 @@
+"""FP8 training with per-tensor scaling (Megatron-LM's ``--fp8-format``,
+``--fp8-recipe``, ``--fp8-amax-history-len``, ``--fp8-amax-compute-algo``,
+``--fp8-margin``), emulated: each GEMM operand of the tensor-parallel
+linears is scaled, rounded to an FP8 format and scaled back, and the
+product is computed in float32 from those values, so the numerics are an
+FP8 GEMM's (per-tensor scales, FP8 operands, fp32 accumulation) on any
+device.
+
+* **Formats.** ``e4m3``: every operand in E4M3 (max 448). ``hybrid``: the
+  forward's inputs and weights in E4M3, the backward's output gradients in
+  E5M2 (max 57344: more range, less precision), as Transformer Engine's
+  HYBRID.
+* **Scales.** An operand t is stored as ``fp8(t x scale)``; ``scale =
+  fp8_max / amax / 2^margin``.
+  - ``delayed`` (the default): the scale comes from the history of the
+    operand's amax over the last ``--fp8-amax-history-len`` iterations
+    (``max`` over it, or its ``most_recent`` entry). Each iteration records
+    the amaxes it meets; after backward, one all-reduce (MAX) over the ranks
+    holding the same layers (tensor x data x context) makes them agree, the
+    new scales are computed and the history rolls.
+    Recomputation sees the same scales. The history and scales are
+    checkpointed (``fp8_amax_history``, ``fp8_scale`` of each linear) and
+    resume bit for bit.
+  - ``tensorwise``: the scale of the operand's own amax, now (current
+    scaling; on a tensor-parallel shard, the shard's).
+* **Where.** The column- and row-parallel linears (attention's QKV and
+  output, the MLP, the output layer when untied, MLA's projections), with
+  and without sequence parallelism, and their zero-bubble deferred weight
+  gradients. The bias gradient comes from the unquantized output gradient.
+  Not in FP8: embeddings, norms, attention's core, the grouped-query
+  projection replicated over tensor ranks, MoE experts.
+
+Real FP8 GEMMs (Transformer Engine, torchao) are not wired in: on a GPU this
+module runs the same emulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch
+
+__all__ = ["FP8Recipe", "FORMATS", "RECIPES", "ALGOS", "enable", "update", "fp8_linear",
+           "quantize", "to_fp8", "from_fp8", "fp8_modules"]
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("delayed", "tensorwise")
+ALGOS = ("most_recent", "max")
+INPUT, WEIGHT, GRAD = 0, 1, 2  #: the operand columns of a linear's history and scales
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    margin: int = 0
+
+    def __post_init__(self):
+        for name, value, allowed in (("--fp8-format", self.format, FORMATS),
+                                     ("--fp8-recipe", self.recipe, RECIPES),
+                                     ("--fp8-amax-compute-algo", self.amax_compute_algo, ALGOS)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: expected one of {', '.join(allowed)}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len {self.amax_history_len}: must be >= 1")
+        if self.margin < 0:
+            raise ValueError(f"--fp8-margin {self.margin}: must be >= 0")
+
+    def dtype(self, operand: int) -> torch.dtype:
+        if operand == GRAD and self.format == "hybrid":
+            return torch.float8_e5m2
+        return torch.float8_e4m3fn
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8(clamp(t x scale))``: t in FP8 `dtype` (saturating, round to nearest even)."""
+    m = fp8_max(dtype)
+    return (t.float() * scale).clamp(-m, m).to(dtype)
+
+
+def from_fp8(t8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return t8.float() / scale
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t rounded to FP8 `dtype` at `scale` and back, in float32 (an FP8
+    GEMM's operand, dequantized)."""
+    return from_fp8(to_fp8(t, scale, dtype), scale)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+class _Meta:
+    """What a weight points to: the linear module holding its FP8 buffers."""
+
+    __slots__ = ("module", "recipe")
+
+    def __init__(self, module, recipe: FP8Recipe):
+        self.module, self.recipe = module, recipe
+
+    def scale(self, operand: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """The operand's scale; records its amax for the next update when
+        `record` (training and recomputation do; evaluation does not)."""
+        amax = _amax(t)
+        if record:
+            hist = self.module.fp8_amax_history
+            hist[0, operand] = torch.maximum(hist[0, operand], amax.to(hist.device))
+        if self.recipe.recipe == "tensorwise":
+            return _scale_of(amax, fp8_max(self.recipe.dtype(operand)), self.recipe.margin,
+                             torch.ones((), device=amax.device))
+        return self.module.fp8_scale[operand].to(t.device)
+
+
+def _scale_of(amax, top: float, margin: int, previous):
+    """fp8_max / amax / 2^margin where amax is a positive finite number, else
+    the previous scale (an operand of zeros, or an overflow)."""
+    ok = torch.isfinite(amax) & (amax > 0)
+    new = top / torch.where(ok, amax, torch.ones_like(amax)) / (2.0 ** margin)
+    return torch.where(ok, new, previous)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = q(x) q(w)^T + b in float32; dx = q(dy) q(w), dw = q(dy)^T q(x)
+    (deferrable in a zero-bubble BI), db = sum(dy). Under sequence
+    parallelism (`group`), x is this rank's shard, quantized before the
+    all-gather (the scale is shared, so it is the gathered tensor's
+    quantization), and dx is reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, meta, group, record):
+        from . import _collectives
+
+        r = meta.recipe
+        sx, sw = meta.scale(INPUT, x, record), meta.scale(WEIGHT, weight, record)
+        x8, w8 = to_fp8(x, sx, r.dtype(INPUT)), to_fp8(weight, sw, r.dtype(WEIGHT))
+        ctx.meta, ctx.group, ctx.has_bias, ctx.dtype = meta, group, bias is not None, x.dtype
+        # backward keeps the FP8 operands (1 byte an element) and their scales
+        ctx.save_for_backward(x8, sx, w8, sw, weight)
+        xq = from_fp8(x8, sx)
+        full = xq if group is None else _collectives.all_gather(xq.contiguous(), 0, group)
+        y = F.linear(full, from_fp8(w8, sw))
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import _collectives
+        from .autograd import defer
+
+        x8, sx, w8, sw, weight = ctx.saved_tensors
+        meta = ctx.meta
+        sg = meta.scale(GRAD, dy)
+        g8 = to_fp8(dy, sg, meta.recipe.dtype(GRAD))
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = from_fp8(g8, sg).matmul(from_fp8(w8, sw)).to(ctx.dtype)
+            if ctx.group is not None:
+                dx = _collectives.reduce_scatter_sum(dx.contiguous(), 0, ctx.group)
+        if ctx.needs_input_grad[1]:
+            group, wdtype = ctx.group, weight.dtype
+
+            def wgrad(g8=g8, sg=sg, x8=x8, sx=sx):  # (kept in FP8 until a deferred W runs)
+                gq, xq = from_fp8(g8, sg), from_fp8(x8, sx)
+                full = xq if group is None else _collectives.all_gather(xq.contiguous(), 0, group)
+                return gq.reshape(-1, gq.shape[-1]).t().matmul(
+                    full.reshape(-1, full.shape[-1])).to(wdtype)
+            if not defer(weight, wgrad):
+                dw = wgrad()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, dw, db, None, None, None
+
+
+def fp8_linear(x, weight, bias=None, group=None):
+    """The FP8 linear of a weight that :func:`enable` marked (`group`: the
+    tensor group under sequence parallelism, x being this rank's shard)."""
+    # (the amaxes of a forward under no_grad, i.e. evaluation, do not count;
+    # recomputation's forward runs with gradients and records them again)
+    return _FP8Linear.apply(x, weight, bias, weight.fp8_meta, group, torch.is_grad_enabled())
+
+
+def fp8_modules(chunks) -> list:
+    """The linears holding FP8 state, in a fixed order."""
+    out = []
+    for c in chunks:
+        mod = getattr(c, "module", c)
+        out += [m for m in mod.modules() if hasattr(m, "fp8_amax_history")]
+    return out
+
+
+def enable(chunks, recipe: FP8Recipe) -> int:
+    """Marks every column- and row-parallel linear of `chunks` (call after
+    the model is on its device and in its dtype): each gets its float32
+    ``fp8_amax_history`` [len, 3] and ``fp8_scale`` [3] (input, weight,
+    output gradient), checkpointed. Returns how many."""
+    from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    n = 0
+    for c in chunks:
+        mod = getattr(c, "module", c)
+        for m in mod.modules():
+            if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            dev = m.weight.device
+            m.register_buffer("fp8_amax_history",
+                              torch.zeros(recipe.amax_history_len, 3, device=dev))
+            m.register_buffer("fp8_scale", torch.ones(3, device=dev))
+            m._checkpointed_buffers = (  # noqa: SLF001 - checkpoint's protocol
+                *getattr(m, "_checkpointed_buffers", ()), "fp8_amax_history", "fp8_scale")
+            m.weight.fp8_meta = _Meta(m, recipe)
+            n += 1
+    return n
+
+
+def update(chunks, recipe: FP8Recipe, groups=()) -> None:
+    """After an iteration's backward (delayed scaling): the amaxes it
+    recorded agree over `groups` (MAX), each operand's scale becomes
+    ``fp8_max / amax / 2^margin`` of its history (max or most recent), and
+    the history rolls (its newest row starts again from 0)."""
+    mods = fp8_modules(chunks)
+    if not mods or recipe.recipe != "delayed":
+        for m in mods:  # tensorwise keeps no state across iterations
+            m.fp8_amax_history.zero_()
+        return
+    current = torch.stack([m.fp8_amax_history[0] for m in mods])  # [n, 3]
+    for g in groups:
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=g)
+    tops = torch.tensor([fp8_max(recipe.dtype(i)) for i in (INPUT, WEIGHT, GRAD)],
+                        device=current.device)
+    for m, row in zip(mods, current, strict=True):
+        hist = m.fp8_amax_history
+        hist[0] = row.to(hist.device)
+        amax = hist.amax(0) if recipe.amax_compute_algo == "max" else hist[0]
+        m.fp8_scale.copy_(_scale_of(amax, tops.to(hist.device), recipe.margin, m.fp8_scale))
+        if hist.shape[0] > 1:
+            hist.copy_(torch.roll(hist, 1, 0))
+        hist[0].zero_()
