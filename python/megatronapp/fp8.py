@@ -14,7 +14,10 @@ device.
   fp8_max / amax / 2^margin``.
   - ``delayed`` (the default): the scale comes from the history of the
     operand's amax over the last ``--fp8-amax-history-len`` iterations
-    (``max`` over it, or its ``most_recent`` entry). Each iteration records
+    (``max`` over it, or its ``most_recent`` entry); before the first update,
+    from the operand's own amax over the tensor group (Transformer Engine
+    starts from scale 1, where a first step's gradients underflow E5M2).
+    Each iteration records
     the amaxes it meets; after backward, one all-reduce (MAX) over the ranks
     holding the same layers (tensor x data x context) makes them agree, the
     new scales are computed and the history rolls.
@@ -104,10 +107,11 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 class _Meta:
     """What a weight points to: the linear module holding its FP8 buffers."""
 
-    __slots__ = ("module", "recipe")
+    __slots__ = ("module", "recipe", "ready")
 
     def __init__(self, module, recipe: FP8Recipe):
         self.module, self.recipe = module, recipe
+        self.ready = None  # delayed: whether an update (or a checkpoint) set the scales
 
     def scale(self, operand: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
         """The operand's scale; records its amax for the next update when
@@ -116,10 +120,23 @@ class _Meta:
         if record:
             hist = self.module.fp8_amax_history
             hist[0, operand] = torch.maximum(hist[0, operand], amax.to(hist.device))
+        top, one = fp8_max(self.recipe.dtype(operand)), torch.ones((), device=amax.device)
         if self.recipe.recipe == "tensorwise":
-            return _scale_of(amax, fp8_max(self.recipe.dtype(operand)), self.recipe.margin,
-                             torch.ones((), device=amax.device))
-        return self.module.fp8_scale[operand].to(t.device)
+            return _scale_of(amax, top, self.recipe.margin, one)
+        if self.ready is None:  # (one host read, at the first call)
+            self.ready = bool((self.module.fp8_scale > 0).all())
+        if not self.ready:
+            # Before the first update: the operand's own amax over the tensor
+            # group (a shard's scale would make TP2 differ from one rank), so
+            # a first step's small gradients do not underflow.
+            group = getattr(self.module, "group", None)
+            if group is not None and group.size() > 1:
+                amax = amax.clone()
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            return _scale_of(amax, top, self.recipe.margin, one).to(t.device)
+        delayed = self.module.fp8_scale[operand].to(t.device)
+        return torch.where(delayed > 0, delayed,  # (an operand that was all zeros so far)
+                           _scale_of(amax, top, self.recipe.margin, one).to(t.device))
 
 
 def _scale_of(amax, top: float, margin: int, previous):
@@ -216,7 +233,7 @@ def enable(chunks, recipe: FP8Recipe) -> int:
             dev = m.weight.device
             m.register_buffer("fp8_amax_history",
                               torch.zeros(recipe.amax_history_len, 3, device=dev))
-            m.register_buffer("fp8_scale", torch.ones(3, device=dev))
+            m.register_buffer("fp8_scale", torch.zeros(3, device=dev))  # 0: not yet set
             m._checkpointed_buffers = (  # noqa: SLF001 - checkpoint's protocol
                 *getattr(m, "_checkpointed_buffers", ()), "fp8_amax_history", "fp8_scale")
             m.weight.fp8_meta = _Meta(m, recipe)
@@ -248,3 +265,4 @@ def update(chunks, recipe: FP8Recipe, groups=()) -> None:
         if hist.shape[0] > 1:
             hist.copy_(torch.roll(hist, 1, 0))
         hist[0].zero_()
+        m.weight.fp8_meta.ready = True
