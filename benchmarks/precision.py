@@ -7,7 +7,8 @@ demo model, and bytes per parameter per rank against Megatron's formula.
    --iters steps in fp32 and in bf16 (fp32 main gradients and masters), on 4
    Gloo ranks, for TP2 x DP2 with ZeRO-1 and int8 compression and for
    TP2 x PP2 zero-bubble: final validation losses and their relative gap
-   (goal: within 2%).
+   (goal: within 2%); and FP8 (hybrid, delayed scaling, emulated:
+   megatronapp.fp8) with bf16 parameters against bf16.
 2. Memory: per rank, the bytes the run holds per model parameter it hosts —
    parameters, gradient buffers (fp32 main gradients under bf16), fp32 master
    weights, optimizer moments — counted from the live tensors of a built run
@@ -81,13 +82,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     a = ap.parse_args()
     print(f"### Quality: {a.iters} steps, final validation loss (mean of 8 batches)\n")
-    print("| layout | fp32 | bf16 | bf16 / fp32 - 1 |")
-    print("|---|---|---|---|")
+    print("| layout | fp32 | bf16 | bf16 / fp32 - 1 | FP8 hybrid (bf16 params) | "
+          "FP8 / bf16 - 1 |")
+    print("|---|---|---|---|---|---|")
     for name, flags in LAYOUTS.items():
         steps = ["--train-iters", str(a.iters)]
         f32 = launch("train", flags + steps)[0]
         b16 = launch("train", flags + steps + ["--bf16"])[0]
-        print(f"| {name} | {f32:.4f} | {b16:.4f} | {b16 / f32 - 1:+.2%} |", flush=True)
+        f8 = launch("train", flags + steps + ["--bf16", "--fp8-format", "hybrid"])[0]
+        print(f"| {name} | {f32:.4f} | {b16:.4f} | {b16 / f32 - 1:+.2%} | {f8:.4f} | "
+              f"{f8 / b16 - 1:+.2%} |", flush=True)
     print("\n### Bytes per parameter per rank (rank 0, TP1 x DP4; AdamW)\n")
     print("| precision | weights | gradients | fp32 master | moments | total | "
           "Megatron / ZeRO formula |")

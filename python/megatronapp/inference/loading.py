@@ -54,10 +54,9 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = 
     from ..models import GPTModel
 
     cfg, where = checkpoint_model_config(path)
-    world = dist.get_world_size()
-    if world != tp * pp:
-        raise ValueError(f"{world} ranks for --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp}: launch {tp * pp} ranks")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size "
+                         f"{pp} must be >= 1")
     if cfg.num_layers % pp:
         raise ValueError(f"the model's {cfg.num_layers} layers do not split evenly over "
                          f"--pipeline-model-parallel-size {pp}")
@@ -73,6 +72,10 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = 
             raise ValueError(f"--seq-length {seq_length}: the model's learned position table "
                              f"has {cfg.seq_length} rows")
         cfg = dataclasses.replace(cfg, seq_length=seq_length)
+    world = dist.get_world_size()
+    if world != tp * pp:
+        raise ValueError(f"{world} ranks for --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}: launch {tp * pp} ranks")
     cfg = dataclasses.replace(cfg, sequence_parallel=False, recompute_granularity=None,
                               recompute_method=None, recompute_num_layers=None,
                               hidden_dropout=0.0, attention_dropout=0.0)
