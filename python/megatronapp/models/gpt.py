@@ -451,6 +451,8 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"--num-query-groups {ng} and the tensor-parallel size {tp}: "
                              "one must divide the other (groups split over tensor ranks, or "
                              "each group replicated over tp / groups ranks)")
+        # Muon orthogonalizes each query group's queries, key and value apart
+        self.qkv.weight.qkv_split_shapes = (heads // ng * d, d, d)
         self.q_layernorm = self.k_layernorm = None
         if cfg.qk_layernorm:  # per head; each rank feeds it its own heads
             self.q_layernorm, self.k_layernorm = make_norm(cfg, d), make_norm(cfg, d)

@@ -430,14 +430,30 @@ class OptimConfig:
                                 "added to the gradient)")
     optimizer: str = _flag(
         "adam", "adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with "
-        "--sgd-momentum; both under ZeRO-1, mixed precision and checkpoints",
-        choices=("adam", "sgd"))
+        "--sgd-momentum; both under ZeRO-1, mixed precision and checkpoints; muon: "
+        "orthogonalized momentum for the linear layers' matrices, AdamW for the rest "
+        "(megatronapp.muon; fp32, without ZeRO-1)", choices=("adam", "sgd", "muon"))
     adam_beta1: float = _flag(0.9, "AdamW's first-moment decay")
     adam_beta2: float = _flag(
         0.95, "AdamW's second-moment decay (Megatron-LM's default is 0.999; 0.95 is the "
         "usual LLM setting and this runtime's default since its first release)")
     adam_eps: float = _flag(1e-8, "AdamW's denominator term")
     sgd_momentum: float = _flag(0.9, "SGD's momentum (0: none)")
+    muon_momentum: float = _flag(0.95, "Muon's momentum (an EMA of the gradients)")
+    muon_nesterov: bool = _flag(False, "Muon: Nesterov-style momentum")
+    muon_num_ns_steps: int = _flag(5, "Muon: Newton-Schulz iterations")
+    muon_scale_mode: str = _flag(
+        "spectral", "Muon's update scale from the matrix shape: spectral sqrt(max(out, in)), "
+        "shape_scaling sqrt(max(1, out/in)), unit_rms_norm sqrt(out/in)",
+        choices=("spectral", "shape_scaling", "unit_rms_norm"))
+    muon_extra_scale_factor: float = _flag(1.0, "Muon: a further factor on the update")
+    muon_tp_mode: str = _flag(
+        "blockwise", "Muon under tensor parallelism: blockwise (each shard on its own) or "
+        "duplicated (the whole matrix gathered: one rank's update)",
+        choices=("blockwise", "duplicated"))
+    no_muon_split_qkv: bool = _flag(
+        False, "Muon: orthogonalize the fused QKV weight whole (default: queries, key and "
+        "value of each query group apart, as Megatron-LM's --muon-split-qkv)")
     optimizer_impl: str = _flag(
         "torch", "AdamW's implementation: torch (torch.optim.AdamW, its per-tensor loop) or "
         "fused (megatronapp.optimizer.FusedAdamW: one C++ pass over each tensor, AVX2 on CPU, "
@@ -778,6 +794,22 @@ class Config:
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}")
         check_lr_schedule(o, self.explicit, ConfigError)
+        if o.optimizer == "muon":
+            pr = self.precision
+            for bad, why in ((self.data_parallel.use_distributed_optimizer,
+                              "--use-distributed-optimizer"),
+                             (pr.bf16 or pr.fp16, "--bf16/--fp16"),
+                             (self.parallel.forward_backward_disaggregating,
+                              "--forward-backward-disaggregating"),
+                             (o.optimizer_impl == "fused", "--optimizer-impl fused")):
+                if bad:
+                    raise ConfigError(
+                        f"--optimizer muon does not run with {why}: Muon orthogonalizes whole "
+                        "weight matrices, and the ZeRO-1 / mixed-precision optimizers hand it "
+                        "flat fp32 shards (use --optimizer adam there)")
+            if not 0.0 <= o.muon_momentum < 1.0 or o.muon_num_ns_steps < 1:
+                raise ConfigError("--muon-momentum must be in [0, 1) and --muon-num-ns-steps "
+                                  ">= 1")
         if o.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval {o.manual_gc_interval}: must be >= 0 "
                               "(0: collect only after setup and around evaluations)")
