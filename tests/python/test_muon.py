@@ -133,8 +133,13 @@ def _check(flags):
 
 
 def test_what_muon_cannot_run_with_is_refused():
+    from megatronapp.memory.plan import estimate
+    from megatronapp.pretrain import build_parser
+
     msgs = error_messages(_check(["--use-distributed-optimizer"]), _check(["--bf16"]),
-                          _check(["--muon-num-ns-steps", "0"]))
+                          _check(["--muon-num-ns-steps", "0"]),
+                          lambda: estimate(build_parser().parse_args(FLAGS), 2))
     assert "--use-distributed-optimizer" in msgs[0] and "flat fp32 shards" in msgs[0]
     assert "--bf16/--fp16" in msgs[1]
     assert "--muon-num-ns-steps" in msgs[2]
+    assert "does not model --optimizer muon" in msgs[3]

@@ -199,6 +199,10 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
                          "its estimate would leave out the experts' weights and the dispatched "
                          "tokens; size MoE runs with megatronapp.scale_model.memory_per_gpu or "
                          "drop --memory-limit-gb / --recompute-granularity auto")
+    if f.get("optimizer") == "muon":
+        raise ValueError("the memory planner does not model --optimizer muon yet (a momentum "
+                         "buffer for the linear layers' matrices, AdamW's two moments for the "
+                         "rest); size the run with --optimizer adam, whose state is larger")
     tp, pp = f["tensor_model_parallel_size"], f["pipeline_model_parallel_size"]
     vpp = f.get("virtual_pipeline_model_parallel_size") or 1
     cp = f.get("context_parallel_size") or 1
