@@ -27,11 +27,13 @@ device.
   - ``tensorwise``: the scale of the operand's own amax, now (current
     scaling; on a tensor-parallel shard, the shard's).
 * **Where.** The column- and row-parallel linears (attention's QKV and
-  output, the MLP, the output layer when untied, MLA's projections), with
+  output, the MLP, the output layer when untied, MLA's up projections), with
   and without sequence parallelism, and their zero-bubble deferred weight
   gradients. The bias gradient comes from the unquantized output gradient.
   Not in FP8: embeddings, norms, attention's core, the grouped-query
-  projection replicated over tensor ranks, MoE experts.
+  projection replicated over tensor ranks, MoE's routed experts (the shared
+  expert is a ParallelMLP: in FP8), the duplicated linears (MLA's down
+  projections, MTP's projection).
 
 Real FP8 GEMMs (Transformer Engine, torchao) are not wired in: on a GPU this
 module runs the same emulation.
