@@ -124,10 +124,9 @@ def weight_and_bias_grads(ctx, dy: torch.Tensor, inputs, weight: torch.Tensor) -
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose weight gradient can be deferred (see module docstring);
     FP8 (:mod:`megatronapp.fp8`) for a weight marked by ``fp8.enable``."""
-    if getattr(weight, "fp8_meta", None) is not None:
-        from .fp8 import fp8_linear
-
-        return fp8_linear(x, weight, bias)
+    meta = getattr(weight, "fp8_meta", None)
+    if meta is not None:
+        return meta.linear(x, weight, bias)
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)

@@ -115,6 +115,11 @@ class _Meta:
         self.module, self.recipe = module, recipe
         self.ready = None  # delayed: whether an update (or a checkpoint) set the scales
 
+    def linear(self, x, weight, bias=None, group=None):
+        """What ``autograd.linear`` and the sequence-parallel column linear
+        call for a marked weight (they do not import this module)."""
+        return fp8_linear(x, weight, bias, group)
+
     def scale(self, operand: int, t: torch.Tensor, record: bool = True) -> torch.Tensor:
         """The operand's scale; records its amax for the next update when
         `record` (training and recomputation do; evaluation does not)."""

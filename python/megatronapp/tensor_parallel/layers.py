@@ -130,10 +130,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.group.size() > 1 and (
                 torch.is_grad_enabled() and self.weight.requires_grad):
-            if getattr(self.weight, "fp8_meta", None) is not None:
-                from ..fp8 import fp8_linear
-
-                y = fp8_linear(x, self.weight, self.bias, self.group)
+            meta = getattr(self.weight, "fp8_meta", None)  # megatronapp.fp8
+            if meta is not None:
+                y = meta.linear(x, self.weight, self.bias, self.group)
             else:
                 y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
         else:
