@@ -1,8 +1,8 @@
 """Generation: the KV-cached, batched engine returns exactly the tokens of a
 token-by-token reference (the whole sequence re-run for every token, no
 cache, one prompt at a time, one rank) at TP1, TP2, PP2 and TP2 x PP2, for a
-Llama block (RoPE, GQA, SwiGLU), a GPT-2 block (learned positions) and an
-MoE block; sampling with a seed is the same at every layout; and the
+Llama block (RoPE, GQA, SwiGLU), a GPT-2 block (learned positions), an
+MoE block and a DeepSeek MLA block (YaRN); sampling with a seed is the same at every layout; and the
 OpenAI-style server (python -m megatronapp.serve, 2 ranks) answers
 concurrent clients with the reference's text, streams it, honours stop
 strings and the token, and answers bad requests with JSON errors."""
@@ -32,6 +32,14 @@ BLOCKS = {
     "gpt": [],
     "moe": ["--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "2",
             "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"],
+    # DeepSeek's attention: the cache holds MLA's up-projected keys and values; YaRN positions
+    "mla": ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+            "--ffn-hidden-size", "96", "--untie-embeddings-and-output-weights",
+            "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+            "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
+            "--position-embedding-type", "yarn", "--rotary-interleaved",
+            "--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8",
+            "--yarn-mscale", "1", "--yarn-mscale-all-dim", "1"],
 }
 PROMPTS = ["In the beginning God", "And", "And the earth was without form, and void; and"]
 MAX_TOKENS = [12, 20, 7]
@@ -109,9 +117,9 @@ def references(ckpts):
 
 @pytest.mark.parametrize("block,tp,pp", [
     ("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2), ("gpt", 2, 1),
-    ("gpt", 1, 2), ("moe", 2, 1),
+    ("gpt", 1, 2), ("moe", 2, 1), ("mla", 2, 1), ("mla", 1, 2),
 ], ids=["llama-tp1", "llama-tp2", "llama-pp2", "llama-tp2-pp2", "gpt-tp2", "gpt-pp2",
-        "moe-tp2"])
+        "moe-tp2", "mla-tp2", "mla-pp2"])
 def test_cached_batched_generation_returns_the_references_tokens(ckpts, references, block, tp,
                                                                  pp):
     greedy, sampled = references[block]
