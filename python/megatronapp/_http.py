@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import queue
 import threading
 
@@ -105,6 +106,14 @@ class HttpServerThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop = None
+
+    def write_port_file(self, path: str | None) -> None:
+        """Writes the bound port to `path` atomically (for launchers and tests
+        that start the server with --port 0)."""
+        if path:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(self.port))
+            os.replace(path + ".tmp", path)
 
     def call_soon(self, fn, *args) -> None:
         """Runs fn(*args) on the server's loop (from any thread)."""

@@ -120,10 +120,7 @@ def serve(args) -> None:
     server = ScopeServer(args.host, args.port, args.token).start()
     print(f"[megatronapp] MegaScope serving http://{args.host}:{server.port}/ "
           f"({world} rank{'s' * (world > 1)}, tp {tp})", flush=True)
-    if args.port_file:
-        with open(args.port_file + ".tmp", "w") as f:
-            f.write(str(server.port))
-        os.replace(args.port_file + ".tmp", args.port_file)
+    server.write_port_file(args.port_file)
     try:
         while True:
             try:

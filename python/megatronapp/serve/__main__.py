@@ -119,10 +119,7 @@ def serve(args) -> None:
     world = dist.get_world_size()
     print(f"[megatronapp] serving {name!r} on http://{args.host}:{server.port}/v1/completions "
           f"({world} rank{'s' * (world > 1)}: tp {tp} x pp {pp})", flush=True)
-    if args.port_file:
-        with open(args.port_file + ".tmp", "w") as f:
-            f.write(str(server.port))
-        os.replace(args.port_file + ".tmp", args.port_file)
+    server.write_port_file(args.port_file)
     try:
         while True:
             driver.run_once(server.requests)

@@ -794,29 +794,7 @@ class Config:
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {value}")
         check_lr_schedule(o, self.explicit, ConfigError)
-        if o.optimizer == "muon":
-            pr = self.precision
-            for bad, why in ((self.data_parallel.use_distributed_optimizer,
-                              "--use-distributed-optimizer"),
-                             (pr.bf16 or pr.fp16, "--bf16/--fp16"),
-                             (self.parallel.forward_backward_disaggregating,
-                              "--forward-backward-disaggregating"),
-                             (o.optimizer_impl == "fused", "--optimizer-impl fused")):
-                if bad:
-                    raise ConfigError(
-                        f"--optimizer muon does not run with {why}: Muon orthogonalizes whole "
-                        "weight matrices, and the ZeRO-1 / mixed-precision optimizers hand it "
-                        "flat fp32 shards (use --optimizer adam there)")
-            if not 0.0 <= o.muon_momentum < 1.0 or o.muon_num_ns_steps < 1:
-                raise ConfigError("--muon-momentum must be in [0, 1) and --muon-num-ns-steps "
-                                  ">= 1")
-        if o.manual_gc_interval < 0:
-            raise ConfigError(f"--manual-gc-interval {o.manual_gc_interval}: must be >= 0 "
-                              "(0: collect only after setup and around evaluations)")
-        if not o.manual_gc and (o.manual_gc_interval or o.no_manual_gc_eval):
-            raise ConfigError("--manual-gc-interval / --no-manual-gc-eval set how --manual-gc "
-                              "collects: add --manual-gc (without it Python's automatic "
-                              "collector runs)")
+        self._check_optimizer()
         resolve_train_iters(o)
         for name, value in (("--train-iters", o.train_iters), ("--eval-iters", o.eval_iters),
                             ("--eval-interval", o.eval_interval),
@@ -900,6 +878,33 @@ class Config:
         self._check_data()
         return Plan(world_size, tp, pp, dp, v, microbatches, layout,
                     "wave" if wave else "loop")
+
+    def _check_optimizer(self) -> None:
+        """--optimizer muon and its flags; --manual-gc's."""
+        o = self.optim
+        if o.optimizer == "muon":
+            pr = self.precision
+            for bad, why in ((self.data_parallel.use_distributed_optimizer,
+                              "--use-distributed-optimizer"),
+                             (pr.bf16 or pr.fp16, "--bf16/--fp16"),
+                             (self.parallel.forward_backward_disaggregating,
+                              "--forward-backward-disaggregating"),
+                             (o.optimizer_impl == "fused", "--optimizer-impl fused")):
+                if bad:
+                    raise ConfigError(
+                        f"--optimizer muon does not run with {why}: Muon orthogonalizes whole "
+                        "weight matrices, and the ZeRO-1 / mixed-precision optimizers hand it "
+                        "flat fp32 shards (use --optimizer adam there)")
+            if not 0.0 <= o.muon_momentum < 1.0 or o.muon_num_ns_steps < 1:
+                raise ConfigError("--muon-momentum must be in [0, 1) and --muon-num-ns-steps "
+                                  ">= 1")
+        if o.manual_gc_interval < 0:
+            raise ConfigError(f"--manual-gc-interval {o.manual_gc_interval}: must be >= 0 "
+                              "(0: collect only after setup and around evaluations)")
+        if not o.manual_gc and (o.manual_gc_interval or o.no_manual_gc_eval):
+            raise ConfigError("--manual-gc-interval / --no-manual-gc-eval set how --manual-gc "
+                              "collects: add --manual-gc (without it Python's automatic "
+                              "collector runs)")
 
     def _check_context_parallel(self, tp: int, cp: int) -> None:
         par, m = self.parallel, self.model
