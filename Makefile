@@ -243,6 +243,7 @@ gpu-check: build
 	$(PY) -m pytest -q tests/gpu
 	$(PY) benchmarks/kernels_gpu.py
 	$(PY) benchmarks/optimizer_gpu.py
+	$(PY) benchmarks/tp_overlap_gpu.py
 	$(PY) benchmarks/codecs_gpu.py
 	$(PY) benchmarks/memory_gpu.py
 	$(PY) benchmarks/e2e/mfu_gpu.py

@@ -176,6 +176,15 @@ CONFIGS = {
     # the scatter/gather's extra synchronization.
     "ours-pp-sp-1f1b": ("ours", "ours: TP2 x PP2 1F1B, SP, pool", TP2 + PP2 + [
         "--pipeline-schedule", "1f1b", "--sequence-parallel", "--memory-pool"], True),
+    # The same with SP's collectives pipelined behind the GEMMs (--tp-comm-overlap):
+    # before/after pairs of that one change.
+    "ours-pp-sp-1f1b-tpo": ("ours", "ours: TP2 x PP2 1F1B, SP, TP comm overlap, pool",
+                            TP2 + PP2 + ["--pipeline-schedule", "1f1b", "--sequence-parallel",
+                                         "--tp-comm-overlap", "--memory-pool"], True),
+    "ours-dp-sp": ("ours", "ours: TP2 x DP2, SP, pool", TP2 + [
+        "--sequence-parallel", "--memory-pool"], True),
+    "ours-dp-sp-tpo": ("ours", "ours: TP2 x DP2, SP, TP comm overlap, pool", TP2 + [
+        "--sequence-parallel", "--tp-comm-overlap", "--memory-pool"], True),
 }
 SUITES = {
     "peers": ["torch-ddp", "torch-fsdp2", "torch-tp2-ddp", "torch-pp", "torch-zb",
@@ -191,7 +200,8 @@ SUITES = {
     "step": ["megatron-tp2-pp2", "megatron-tp2-pp2-vp", "megatron-tp2-dp2", "megatron-pp4",
              "ours-pp-1f1b", "ours-pp-1f1b-sg", "ours-pp-sp-1f1b", "ours-pp", "ours-dp-exact",
              "ours-pp4-1f1b", "ours-pp4", "megatron-tp2-pp2-mapp", "megatron-pp4-mapp",
-             "ours-pp-1f1b-mapp", "ours-pp-zbv", "ours-pp-dp-zbv"],
+             "ours-pp-1f1b-mapp", "ours-pp-zbv", "ours-pp-dp-zbv", "ours-pp-sp-1f1b-tpo",
+             "ours-dp-sp", "ours-dp-sp-tpo"],
     "e2e": ["torch-tp2-ddp", "torch-powersgd", "torch-pp", "torch-zb", "ours-dp",
             "ours-dp-onebit", "ours-pp"],
 }

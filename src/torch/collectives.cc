@@ -17,6 +17,7 @@
 #include "c10d_util.h"
 #include "mapp/comm/shm_group.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/comm_engine.h"
 #include "mapp/torch/ops.h"
 
 namespace mapp::torch_ext {
@@ -273,6 +274,71 @@ at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
   at::Tensor out = at::empty(out_shape, in.options());
   reduce_scatter_base(out, in, group_name, *pg, "reduce_scatter");
   return upcast ? out.to(tensor.scalar_type()) : out;
+}
+
+namespace {
+
+// Checks of the asynchronous dim-0 collectives: same dtype and device,
+// contiguous, `out` of shape `expect`.
+void check_async(const char* op, const at::Tensor& out, const at::Tensor& in,
+                 const std::vector<std::int64_t>& expect) {
+  MAPP_CHECK(in.dim() >= 1, op, ": expected a tensor with at least one dimension, got a scalar");
+  MAPP_CHECK(in.is_contiguous() && out.is_contiguous(), op,
+             ": needs contiguous tensors (call .contiguous() first)");
+  MAPP_CHECK(in.scalar_type() == out.scalar_type() && in.device() == out.device(), op,
+             ": out (", out.scalar_type(), " on ", out.device(), ") must match the input (",
+             in.scalar_type(), " on ", in.device(), ")");
+  MAPP_CHECK(out.sizes().vec() == expect, op, ": out has shape ", out.sizes(), ", expected ",
+             c10::IntArrayRef(expect));
+}
+
+CommStats sent(std::int64_t world, std::int64_t chunk_bytes) {
+  CommStats st;
+  st.raw_bytes = st.sent_bytes = (world - 1) * chunk_bytes;
+  return st;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<CommWork> all_gather_async(at::Tensor out, at::Tensor in,
+                                              const std::string& group_name) {
+  auto pg = resolve(group_name);
+  const std::int64_t world = pg->getSize();
+  std::vector<std::int64_t> expect = in.sizes().vec();
+  if (!expect.empty()) expect[0] *= world;
+  check_async("all_gather_async", out, in, expect);
+  return submit("tp all-gather", group_name, {out, in}, [=]() mutable {
+    if (world == 1) {
+      out.copy_(in);
+    } else if (!internal::has_shm(in, group_name) && needs_upcast(in)) {
+      out.copy_(all_gather(in, 0, group_name));  // Gloo has no 16-bit floats
+    } else {
+      all_gather_base(out, in, group_name, *pg, "all_gather");
+    }
+    return sent(world, in.nbytes());
+  });
+}
+
+c10::intrusive_ptr<CommWork> reduce_scatter_async(at::Tensor out, at::Tensor in,
+                                                  const std::string& group_name) {
+  auto pg = resolve(group_name);
+  const std::int64_t world = pg->getSize();
+  MAPP_CHECK(in.dim() >= 1 && in.size(0) % world == 0, "reduce_scatter_async: size ",
+             in.dim() ? in.size(0) : 0, " of dim 0 is not divisible by the group size ", world,
+             "; pad the tensor or choose a divisible shape");
+  std::vector<std::int64_t> expect = in.sizes().vec();
+  expect[0] /= world;
+  check_async("reduce_scatter_async", out, in, expect);
+  return submit("tp reduce-scatter", group_name, {out, in}, [=]() mutable {
+    if (world == 1) {
+      out.copy_(in);
+    } else if (!internal::has_shm(in, group_name) && needs_upcast(in)) {
+      out.copy_(reduce_scatter_sum(in, 0, group_name));
+    } else {
+      reduce_scatter_base(out, in, group_name, *pg, "reduce_scatter");
+    }
+    return sent(world, out.nbytes());
+  });
 }
 
 bool shm_attach(const std::string& group_name, const std::string& shm_name, bool create) {

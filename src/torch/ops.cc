@@ -454,6 +454,14 @@ TORCH_LIBRARY(mapp, m) {
       "param_all_gather_async(Tensor(a!) buf, str group_name) -> "
       "__torch__.torch.classes.mapp.CommWork",
       &mapp::torch_ext::op_param_all_gather_async);
+  m.def(
+      "all_gather_async(Tensor(a!) out, Tensor self, str group_name) -> "
+      "__torch__.torch.classes.mapp.CommWork",
+      &mapp::torch_ext::all_gather_async);
+  m.def(
+      "reduce_scatter_async(Tensor(a!) out, Tensor self, str group_name) -> "
+      "__torch__.torch.classes.mapp.CommWork",
+      &mapp::torch_ext::reduce_scatter_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
         &mapp::torch_ext::work_wait);
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <string>
@@ -26,6 +27,20 @@ at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim,
 // Throws ValueError if the size of `dim` is not divisible by the group size.
 at::Tensor reduce_scatter_sum(const at::Tensor& tensor, std::int64_t dim,
                               const std::string& group_name);
+
+class CommWork;  // comm_engine.h
+
+// all_gather along dim 0 into `out` ([group size * in.size(0), ...]) and
+// reduce_scatter_sum along dim 0 of `in` into `out` ([in.size(0) / group size,
+// ...]), asynchronously on the group's communication thread (comm_engine.h),
+// for overlapping tensor-parallel communication with GEMMs. Both tensors must
+// be contiguous and must not be touched until the work is waited for. Jobs of
+// one group run in submission order; a caller that also issues blocking
+// collectives on the group must wait for its works first.
+c10::intrusive_ptr<CommWork> all_gather_async(at::Tensor out, at::Tensor in,
+                                              const std::string& group_name);
+c10::intrusive_ptr<CommWork> reduce_scatter_async(at::Tensor out, at::Tensor in,
+                                                  const std::string& group_name);
 
 // Shared-memory transport for a group whose members share one node: member 0
 // creates the segment `shm_name` (create=true), then the others open it; from

@@ -40,6 +40,7 @@ from ..tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     mappings,
+    overlap,
     vocab_parallel_cross_entropy,
 )
 from ..tensor_parallel.random import check_recompute, checkpoint, dropout, get_rng_tracker
@@ -397,6 +398,7 @@ class _GroupedQKV(nn.Module):
         h, out = cfg.hidden_size, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * \
             cfg.kv_channels
         self.group, self.sequence_parallel = state.tensor_group, cfg.sequence_parallel
+        self.tp_comm_overlap = None  # tensor_parallel.overlap.enable
         self.weight = sharded_parameter((out, h), None, state, normal_init(cfg.init_method_std))
         self.weight.sequence_parallel = True  # partial sums over the tensor group
         self.bias = None
@@ -406,12 +408,14 @@ class _GroupedQKV(nn.Module):
         self.register_buffer("rows", rows, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.index_select(0, self.rows)
+        b = self.bias.index_select(0, self.rows) if self.bias is not None else None
+        if self.tp_comm_overlap is not None and self.sequence_parallel:
+            return overlap.column_linear(x, w, b, self.group, self.tp_comm_overlap)
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.group)
-        w = self.weight.index_select(0, self.rows)
-        b = self.bias.index_select(0, self.rows) if self.bias is not None else None
         return linear(x, w, b)
 
 
@@ -765,7 +769,8 @@ class GPTModel(nn.Module):
         divide(cfg.ffn_hidden_size, state.tp_size, "ffn_hidden_size")
         if cfg.sequence_parallel and state.tp_size == 1:
             cfg.sequence_parallel = False  # nothing to shard
-        self.group = state.tensor_group
+        self.group, self.sequence_parallel = state.tensor_group, cfg.sequence_parallel
+        self.tp_comm_overlap = None  # the tied output layer's; tensor_parallel.overlap.enable
         self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_numbers = list(range(cfg.num_layers) if layer_numbers is None else layer_numbers)
@@ -865,6 +870,9 @@ class GPTModel(nn.Module):
         states [s(/tp), b, h]: logits [s, b, V/tp]."""
         if self.output_layer is not None:
             return self.output_layer(x)
+        if self.tp_comm_overlap is not None and self.config.sequence_parallel:
+            return overlap.column_linear(x, self.word_embeddings.weight, None, self.group,
+                                         self.tp_comm_overlap)
         if self.config.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x, True, self.group)
         else:

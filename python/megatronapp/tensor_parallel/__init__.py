@@ -11,6 +11,7 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .overlap import TPCommOverlap
 from .random import (
     checkpoint,
     get_cuda_rng_tracker,
@@ -25,6 +26,7 @@ __all__ = [
     "DuplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "TPCommOverlap",
     "vocab_parallel_cross_entropy",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",

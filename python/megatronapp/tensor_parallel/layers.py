@@ -23,7 +23,7 @@ from torch import nn
 from .. import _collectives
 from ..autograd import linear, weight_and_bias_grads
 from ..parallel_state import ParallelState
-from . import mappings
+from . import mappings, overlap
 from .utils import divide, resolve_state, sharded_parameter
 
 
@@ -78,6 +78,13 @@ def _check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
         raise IndexError(f"{msg}, got values in [{int(lo)}, {int(hi)}]")
 
 
+def _no_fp8(meta, layer: nn.Module) -> None:
+    if meta is not None:
+        raise NotImplementedError(
+            f"{type(layer).__name__}: FP8 and tp_comm_overlap do not run together yet; "
+            "drop --tp-comm-overlap or --fp8-format")
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) across the tensor group.
 
@@ -87,7 +94,9 @@ class ColumnParallelLinear(nn.Module):
     group: rank r holds block rows r of each, in order. The output is this
     rank's slice of the last dim, or the full output with ``gather_output=True``.
     With ``sequence_parallel=True`` the input is sharded along dim 0 (sequence,
-    Megatron's [s, b, h]) and all-gathered before the matmul.
+    Megatron's [s, b, h]) and all-gathered before the matmul; ``tp_comm_overlap``
+    (:class:`~megatronapp.tensor_parallel.overlap.TPCommOverlap`) hides that
+    gather and the backward's collectives behind the GEMMs.
     """
 
     def __init__(
@@ -103,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         stacked: int = 1,
+        tp_comm_overlap: overlap.TPCommOverlap | None = None,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)
@@ -113,6 +123,7 @@ class ColumnParallelLinear(nn.Module):
             )
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap
         self.group = state.tensor_group
         tp = state.tp_size
         self.output_size_per_partition = divide(
@@ -128,9 +139,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.group.size() > 1 and (
+        meta = getattr(self.weight, "fp8_meta", None)  # megatronapp.fp8
+        if self.tp_comm_overlap is not None and self.sequence_parallel and self.group.size() > 1:
+            _no_fp8(meta, self)
+            y = overlap.column_linear(x, self.weight, self.bias, self.group, self.tp_comm_overlap)
+        elif self.sequence_parallel and self.group.size() > 1 and (
                 torch.is_grad_enabled() and self.weight.requires_grad):
-            meta = getattr(self.weight, "fp8_meta", None)  # megatronapp.fp8
             if meta is not None:
                 y = meta.linear(x, self.weight, self.bias, self.group)
             else:
@@ -158,7 +172,8 @@ class RowParallelLinear(nn.Module):
     full weight; ``.bias`` is the full [out], added once after the reduction.
     The input is this rank's slice of the last dim (``input_is_parallel=True``)
     or the full input, which is then split. Partial products are summed with an
-    all-reduce, or with a reduce-scatter along dim 0 under ``sequence_parallel``.
+    all-reduce, or with a reduce-scatter along dim 0 under ``sequence_parallel``
+    (behind the GEMM with ``tp_comm_overlap``, as in :class:`ColumnParallelLinear`).
     """
 
     def __init__(
@@ -173,6 +188,7 @@ class RowParallelLinear(nn.Module):
         parallel_state: ParallelState | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        tp_comm_overlap: overlap.TPCommOverlap | None = None,
     ) -> None:
         super().__init__()
         state = resolve_state(parallel_state)
@@ -181,6 +197,7 @@ class RowParallelLinear(nn.Module):
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap
         self.group = state.tensor_group
         tp = state.tp_size
         self.input_size_per_partition = divide(in_features, tp, "RowParallelLinear in_features")
@@ -199,6 +216,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
+        if self.tp_comm_overlap is not None and self.sequence_parallel and self.group.size() > 1:
+            _no_fp8(getattr(self.weight, "fp8_meta", None), self)
+            y = overlap.row_linear(x, self.weight, self.group, self.tp_comm_overlap)
+            return y + self.bias if self.bias is not None else y
         y = linear(x, self.weight)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)

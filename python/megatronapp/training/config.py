@@ -70,6 +70,25 @@ class ParallelConfig:
         metavar="N,N,...")
     sequence_parallel: bool = _flag(False, "shard LayerNorm/dropout activations over the "
                                     "tensor group along the sequence")
+    tp_comm_overlap: bool = _flag(
+        False, "hide the tensor-parallel all-gathers and reduce-scatters of sequence "
+        "parallelism behind the linears' GEMMs (pipelined pieces on the tensor group's "
+        "communication thread; docs/architecture.md); needs --sequence-parallel")
+    disable_tp_comm_overlap_ag: bool = _flag(
+        False, "--tp-comm-overlap: no pipelined all-gather + GEMM (column forward, row backward)")
+    disable_tp_comm_overlap_rs: bool = _flag(
+        False, "--tp-comm-overlap: no pipelined GEMM + reduce-scatter (row forward)")
+    tp_comm_overlap_rs_dgrad: bool = _flag(
+        False, "--tp-comm-overlap: pipeline the column linear's input-gradient GEMM with its "
+        "reduce-scatter (instead of running that reduce-scatter behind the weight gradient)")
+    disable_tp_comm_bulk_dgrad: bool = _flag(
+        False, "--tp-comm-overlap: no input all-gather behind the input-gradient GEMM")
+    disable_tp_comm_bulk_wgrad: bool = _flag(
+        False, "--tp-comm-overlap: no input-gradient reduce-scatter behind the weight-gradient "
+        "GEMM")
+    tp_comm_overlap_splits: int = _flag(
+        4, "--tp-comm-overlap: pieces a pipelined GEMM is cut into (the largest divisor of the "
+        "local sequence length not above it)")
     scatter_gather_tensors_in_pipeline: bool = _flag(
         False, "without sequence parallelism, each tensor rank sends 1/tp of every tensor "
         "between pipeline stages and the receivers all-gather (fewer bytes on a slow "
@@ -90,6 +109,21 @@ class ParallelConfig:
     fbd_ratio: str = _flag("1:1", "forward:backward ranks per FBD group (1:1, 1:2, 2:1, ...); "
                            "the data-parallel size must be a multiple of their sum",
                            metavar="F:B")
+
+
+    def tp_overlap(self):
+        """The :class:`~megatronapp.tensor_parallel.TPCommOverlap` of
+        ``--tp-comm-overlap``, or None without it."""
+        if not self.tp_comm_overlap:
+            return None
+        from ..tensor_parallel.overlap import TPCommOverlap
+
+        return TPCommOverlap(ag=not self.disable_tp_comm_overlap_ag,
+                             rs=not self.disable_tp_comm_overlap_rs,
+                             rs_dgrad=self.tp_comm_overlap_rs_dgrad,
+                             bulk_dgrad=not self.disable_tp_comm_bulk_dgrad,
+                             bulk_wgrad=not self.disable_tp_comm_bulk_wgrad,
+                             splits=self.tp_comm_overlap_splits)
 
 
 @dataclass
@@ -832,6 +866,7 @@ class Config:
             raise ConfigError(f"--seq-length {m.seq_length} must be divisible by the "
                               f"tensor-parallel size {tp} with --sequence-parallel")
         self._check_context_parallel(tp, cp)
+        self._check_tp_comm_overlap(tp)
         self._check_fbd(pp, dp, v, microbatches)
         try:
             layout = layer_layout(
@@ -905,6 +940,27 @@ class Config:
             raise ConfigError("--manual-gc-interval / --no-manual-gc-eval set how --manual-gc "
                               "collects: add --manual-gc (without it Python's automatic "
                               "collector runs)")
+
+    def _check_tp_comm_overlap(self, tp: int) -> None:
+        par = self.parallel
+        subflags = ("disable_tp_comm_overlap_ag", "disable_tp_comm_overlap_rs",
+                    "tp_comm_overlap_rs_dgrad", "disable_tp_comm_bulk_dgrad",
+                    "disable_tp_comm_bulk_wgrad", "tp_comm_overlap_splits")
+        if not par.tp_comm_overlap:
+            if any(getattr(par, f) != getattr(ParallelConfig, f) for f in subflags):
+                raise ConfigError("--disable-tp-comm-*/--tp-comm-overlap-rs-dgrad/"
+                                  "--tp-comm-overlap-splits tune --tp-comm-overlap: add it")
+            return
+        if tp < 2 or not par.sequence_parallel:
+            raise ConfigError("--tp-comm-overlap overlaps sequence parallelism's collectives "
+                              "with the GEMMs: it needs --sequence-parallel and "
+                              f"--tensor-model-parallel-size >= 2 (got {tp})")
+        if par.tp_comm_overlap_splits < 1:
+            raise ConfigError(f"--tp-comm-overlap-splits must be >= 1, got "
+                              f"{par.tp_comm_overlap_splits}")
+        if self.precision.fp8_format is not None:
+            raise ConfigError("--tp-comm-overlap does not run with --fp8-format yet (the FP8 "
+                              "linears gather their own operands); drop one of them")
 
     def _check_context_parallel(self, tp: int, cp: int) -> None:
         par, m = self.parallel, self.model

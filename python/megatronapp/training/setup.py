@@ -41,6 +41,7 @@ from ..pipeline.fbd import fbd_parallel_state, parse_ratio
 from ..pipeline.fbd import program as fbd_program
 from ..pipeline.layout import virtual_stage
 from ..tensor_parallel import vocab_parallel_cross_entropy
+from ..tensor_parallel.overlap import enable as tp_overlap_enable
 from ..tensor_parallel.random import model_parallel_seed
 from .config import MLA_YARN_FIELDS, Config, ConfigError, Plan
 from .step import schedule_for
@@ -490,6 +491,9 @@ def build_run(config: Config, hooks=(), task=None) -> Run:
     dataset = task.build_dataset(config)
     cfg = task.model_config(config, state, dataset)
     modules = task.build_chunks(config, plan, state, cfg, device)
+    tp_overlap = config.parallel.tp_overlap()
+    if tp_overlap is not None:
+        tp_overlap_enable(modules, tp_overlap)
     recipe = config.precision.fp8()
     if recipe is not None:  # before resume: its scales and amax history are checkpointed
         from .. import fp8
