@@ -35,21 +35,27 @@ device.
   expert is a ParallelMLP: in FP8), the duplicated linears (MLA's down
   projections, MTP's projection).
 
-Real FP8 GEMMs (Transformer Engine, torchao) are not wired in: on a GPU this
-module runs the same emulation.
+* **The GEMMs.** On a CUDA device of compute capability 8.9 or above (Ada,
+  Hopper, Blackwell), the three GEMMs of each linear run in FP8 on the
+  tensor cores (``torch._scaled_mm``: FP8 operands, per-tensor dequantizing
+  scales, fp32 accumulation and output) whenever the shapes allow (every
+  dimension a multiple of 16); elsewhere, and with ``MAPP_FP8_GEMM=emulate``,
+  the product is computed in float32 from the dequantized operands. Both
+  compute the same sums of the same FP8 products; they differ in rounding
+  order only (``tests/gpu``). Transformer Engine and torchao are not needed.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import torch
 
 __all__ = ["FP8Recipe", "FORMATS", "RECIPES", "ALGOS", "enable", "update", "fp8_linear",
-           "quantize", "to_fp8", "from_fp8", "fp8_modules"]
+           "quantize", "to_fp8", "from_fp8", "fp8_modules", "gemm"]
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("delayed", "tensorwise")
@@ -100,6 +106,29 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """t rounded to FP8 `dtype` at `scale` and back, in float32 (an FP8
     GEMM's operand, dequantized)."""
     return from_fp8(to_fp8(t, scale, dtype), scale)
+
+
+def _tensor_cores(a8: torch.Tensor, b8: torch.Tensor) -> bool:
+    """Whether a8 [M, K] x b8 [N, K]^T can run as one FP8 tensor-core GEMM."""
+    if a8.device.type != "cuda" or os.environ.get("MAPP_FP8_GEMM", "auto") == "emulate":
+        return False
+    if torch.cuda.get_device_capability(a8.device) < (8, 9):
+        return False
+    if a8.dtype == b8.dtype == torch.float8_e5m2:  # (no E5M2 x E5M2 kernel)
+        return False
+    return all(d % 16 == 0 for d in (*a8.shape, b8.shape[0]))
+
+
+def gemm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """``from_fp8(a8, sa) @ from_fp8(b8, sb)^T`` in float32 for FP8 a8 [M, K]
+    and b8 [N, K]: on FP8 tensor cores where the device and shapes allow
+    (``torch._scaled_mm`` multiplies by the dequantizing scales 1/sa, 1/sb),
+    else from the dequantized operands."""
+    a8, b8 = a8.contiguous(), b8.contiguous()
+    if _tensor_cores(a8, b8):
+        return torch._scaled_mm(a8, b8.t(), scale_a=sa.reciprocal().float(),  # noqa: SLF001
+                                scale_b=sb.reciprocal().float(), out_dtype=torch.float32)
+    return from_fp8(a8, sa).matmul(from_fp8(b8, sb).t())
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -163,17 +192,15 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, meta, group, record):
-        from . import _collectives
-
         r = meta.recipe
         sx, sw = meta.scale(INPUT, x, record), meta.scale(WEIGHT, weight, record)
         x8, w8 = to_fp8(x, sx, r.dtype(INPUT)), to_fp8(weight, sw, r.dtype(WEIGHT))
         ctx.meta, ctx.group, ctx.has_bias, ctx.dtype = meta, group, bias is not None, x.dtype
         # backward keeps the FP8 operands (1 byte an element) and their scales
         ctx.save_for_backward(x8, sx, w8, sw, weight)
-        xq = from_fp8(x8, sx)
-        full = xq if group is None else _collectives.all_gather(xq.contiguous(), 0, group)
-        y = F.linear(full, from_fp8(w8, sw))
+        full = x8 if group is None else _gather8(x8, group)
+        y = gemm(full.reshape(-1, full.shape[-1]), sx, w8, sw)
+        y = y.view(*full.shape[:-1], y.shape[-1])
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
@@ -189,22 +216,30 @@ class _FP8Linear(torch.autograd.Function):
         g8 = to_fp8(dy, sg, meta.recipe.dtype(GRAD))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = from_fp8(g8, sg).matmul(from_fp8(w8, sw)).to(ctx.dtype)
+            dx = gemm(g8.reshape(-1, g8.shape[-1]), sg, w8.t(), sw)
+            dx = dx.view(*g8.shape[:-1], dx.shape[-1]).to(ctx.dtype)
             if ctx.group is not None:
                 dx = _collectives.reduce_scatter_sum(dx.contiguous(), 0, ctx.group)
         if ctx.needs_input_grad[1]:
             group, wdtype = ctx.group, weight.dtype
 
             def wgrad(g8=g8, sg=sg, x8=x8, sx=sx):  # (kept in FP8 until a deferred W runs)
-                gq, xq = from_fp8(g8, sg), from_fp8(x8, sx)
-                full = xq if group is None else _collectives.all_gather(xq.contiguous(), 0, group)
-                return gq.reshape(-1, gq.shape[-1]).t().matmul(
-                    full.reshape(-1, full.shape[-1])).to(wdtype)
+                full = x8 if group is None else _gather8(x8, group)
+                return gemm(g8.reshape(-1, g8.shape[-1]).t(), sg,
+                            full.reshape(-1, full.shape[-1]).t(), sx).to(wdtype)
             if not defer(weight, wgrad):
                 dw = wgrad()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0)
         return dx, dw, db, None, None, None
+
+
+def _gather8(x8: torch.Tensor, group) -> torch.Tensor:
+    """The sequence-parallel all-gather of an FP8 tensor, as its bytes (a
+    quarter of float32's; the scale is shared over the group)."""
+    from . import _collectives
+
+    return _collectives.all_gather(x8.contiguous().view(torch.uint8), 0, group).view(x8.dtype)
 
 
 def fp8_linear(x, weight, bias=None, group=None):

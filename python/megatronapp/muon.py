@@ -23,9 +23,17 @@ sqrt(max(1, out / in)) or ``unit_rms_norm`` sqrt(out / in).
 * **QKV** (Megatron's ``--muon-split-qkv``, on by default here too;
   ``--no-muon-split-qkv``): the fused QKV weight is orthogonalized per query
   group as three matrices, queries, key and value.
-* Muon needs whole matrices: it runs on fp32 parameters without ZeRO-1 (our
-  ZeRO-1 and mixed-precision optimizers hand the inner optimizer flat fp32
-  shards); other combinations are refused with a clear error.
+* **ZeRO-1 and mixed precision**: as the inner optimizer of
+  :class:`~megatronapp.optimizer.MixedPrecisionOptimizer` /
+  :class:`~megatronapp.optimizer.DistributedOptimizer` Muon steps their flat
+  fp32 main pieces. Momentum is elementwise, so it stays sharded with them;
+  for the orthogonalization the wrapper (:attr:`Muon.whole_matrices`)
+  all-gathers each bucket's momentum pieces over its data-parallel group,
+  every rank orthogonalizes the whole matrices of the bucket (the same
+  arithmetic as without ZeRO-1) and keeps the rows of its own pieces. Memory:
+  the momentum is divided by dp like Adam's moments; compute: the
+  Newton-Schulz iterations are not (each data-parallel rank runs all of
+  them, as without ZeRO-1).
 """
 
 from __future__ import annotations
@@ -94,6 +102,11 @@ class Muon(torch.optim.Optimizer):
                         betas=betas, eps=eps, weight_decay=weight_decay, muon=False)
         super().__init__(params, defaults)
         self.tp_mode, self.split_qkv, self.tp_group = tp_mode, split_qkv, tp_group
+        #: None, or ``f(items, orthogonalize) -> updates`` set by a wrapper whose
+        #: parameters are pieces of the model's matrices (ZeRO-1, mixed
+        #: precision): for items ``(piece, group, u)`` the scaled orthogonal
+        #: update of each piece, from ``orthogonalize(model_param, whole_u, group)``.
+        self.whole_matrices = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,14 +114,23 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        items = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if group["muon"]:
-                    self._muon(p, group)
+                    items.append((p, group, self._momentum(p, group)))
                 else:
                     self._adamw(p, group)
+        if items:
+            if self.whole_matrices is not None:
+                updates = self.whole_matrices(items, self.orthogonalize)
+            else:
+                updates = [self.orthogonalize(p, u, group) for p, group, u in items]
+            for (p, group, _), o in zip(items, updates, strict=True):
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(o.to(p.dtype), alpha=-group["lr"])
         return loss
 
     def _adamw(self, p, group):
@@ -129,19 +151,19 @@ class Muon(torch.optim.Optimizer):
         denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(group["eps"])
         p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
 
-    def _muon(self, p, group):
+    def _momentum(self, p, group):
+        """Updates p's momentum; returns what is orthogonalized (Nesterov or not)."""
         st = self.state[p]
         if not st:
             st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         g, m, beta = p.grad, st["momentum_buffer"], group["momentum"]
         m.lerp_(g, 1 - beta)
-        u = g.lerp(m, beta) if group["nesterov"] else m
-        o = self._orthogonalize(p, u, group)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(o.to(p.dtype), alpha=-group["lr"])
+        return g.lerp(m, beta) if group["nesterov"] else m
 
-    def _orthogonalize(self, p, u, group):
-        """The scaled orthogonal update of this rank's part of p."""
+    def orthogonalize(self, p, u, group):
+        """The scaled orthogonal update of this rank's part of p (a model
+        parameter: its tensor-parallel and QKV attributes are read), from u
+        shaped like p."""
         dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) \
             else None
         tp = self.tp_group.size() if self.tp_group is not None else 1

@@ -144,6 +144,9 @@ class MixedPrecisionOptimizer:
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self.param_groups = self.optimizer.param_groups
+        if hasattr(self.optimizer, "whole_matrices"):  # megatronapp.muon.Muon
+            self._group_of = {p: self.optimizer.param_groups[i] for p, i in options.items()}
+            self.optimizer.whole_matrices = self._whole_matrix_updates
 
     # ---- what this rank owns (DistributedOptimizer: its chunk) ----------------------
     def _chunk_range(self, b) -> tuple:
@@ -170,6 +173,41 @@ class MixedPrecisionOptimizer:
     def _write_back(self) -> None:
         for pc in self._pieces:
             pc.param.detach().view(-1)[pc.param_lo: pc.param_lo + pc.hi - pc.lo].copy_(pc.main)
+
+    def _bucket_span(self, b) -> int:
+        """Elements of bucket b in bucket coordinates (ZeRO-1: with its padding)."""
+        return self._chunk_range(b)[1]
+
+    @torch.no_grad()
+    def _whole_matrix_updates(self, items, orthogonalize) -> list:
+        """Muon's hook (megatronapp.muon.Muon.whole_matrices): `items` are
+        ``(main piece, group, u piece)``. Per bucket holding a Muon matrix
+        (the same buckets on every rank, in order): the u pieces laid out in
+        bucket coordinates and, under ZeRO-1, all-gathered over the bucket's
+        group; each whole matrix orthogonalized (``orthogonalize(param, u,
+        group)``); each piece's rows of it returned."""
+        u_of = {id(main): u for main, _, u in items}
+        out = {}
+        for b in self.buckets:
+            muon = [(p, off) for p, off in zip(b.params, b.offsets, strict=True)
+                    if self._group_of.get(p, {}).get("muon")]
+            if not muon:
+                continue
+            mine = [pc for pc in self._pieces if pc.bucket is b and id(pc.main) in u_of]
+            buf = torch.zeros(self._bucket_span(b), dtype=torch.float32,
+                              device=b.grad_data.device)
+            for pc in mine:
+                buf[pc.lo: pc.hi] = u_of[id(pc.main)]
+            if self.sharded:
+                lo, hi = self._chunk_range(b)
+                buf = _collectives.all_gather(buf[lo:hi].contiguous(), 0, b.group)
+            for p, off in muon:
+                o = orthogonalize(p, buf[off: off + p.numel()].view(p.shape), self._group_of[p])
+                o = o.reshape(-1)
+                for pc in mine:
+                    if pc.param is p:
+                        out[id(pc.main)] = o[pc.param_lo: pc.param_lo + pc.hi - pc.lo]
+        return [out[id(main)] for main, _, _ in items]
 
     # ---- the step -------------------------------------------------------------
     def grad_shards(self) -> list:
@@ -289,6 +327,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _param_values(self, b, p, off, lo, hi):
         return b.param_data[lo:hi]
+
+    def _bucket_span(self, b) -> int:
+        return b.param_data.numel()
 
     def _grad_of(self, pc):
         return pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]

@@ -263,3 +263,26 @@ def test_overlapped_tp_linears_on_cuda_match_the_unsplit_linear(splits):
     (y * gy).sum().backward()
     for a, b in zip(got, [y.detach(), x.grad, w1.grad, b1.grad, w2.grad], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---- FP8 GEMMs on tensor cores (fp8.gemm: torch._scaled_mm) ---------------------------
+@pytest.mark.parametrize("dtypes", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+@pytest.mark.parametrize("m,k,n", [(64, 128, 32), (48, 80, 16), (40, 64, 32)])
+def test_fp8_gemm_on_tensor_cores_matches_the_emulation(dtypes, m, k, n):
+    """The same FP8 operands and scales: the tensor-core product equals the
+    float32 product of the dequantized operands up to summation order (and
+    a shape that is not a multiple of 16 falls back to that product)."""
+    from megatronapp import fp8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    kinds = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    torch.manual_seed(0)
+    a, b = torch.randn(m, k) * 3, torch.randn(n, k) * 0.05
+    sa, sb = torch.tensor(448.0 / 9.0), torch.tensor(448.0 / 0.2)
+    a8, b8 = fp8.to_fp8(a, sa, kinds[dtypes[0]]), fp8.to_fp8(b, sb, kinds[dtypes[1]])
+    want = fp8.gemm(a8, sa, b8, sb)  # CPU: the emulation
+    got = fp8.gemm(a8.cuda(), sa.cuda(), b8.cuda(), sb.cuda())
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert fp8._tensor_cores(a8.cuda(), b8.cuda()) == (m % 16 == 0)  # noqa: SLF001
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)

@@ -2,8 +2,10 @@
 transcription and the polar factor; one step of a run against a hand
 computation (momentum, per-group QKV split, shape scale, decoupled decay;
 AdamW for embeddings, the output layer and vectors); TP2 x DP2 with
---muon-tp-mode duplicated equals one rank; a checkpoint resumes bit for bit;
-what Muon cannot run with is refused."""
+--muon-tp-mode duplicated equals one rank, also under ZeRO-1 (sharded
+momentum, whole matrices gathered for the orthogonalization); bf16 with
+ZeRO-1 tracks fp32; a checkpoint resumes bit for bit (plain, and ZeRO-1 with
+bf16); what Muon cannot run with is refused."""
 
 import math
 
@@ -105,18 +107,55 @@ def _train(rank, world, flags, out):
 def test_tp2_dp2_duplicated_equals_one_rank_and_blockwise_trains(tmp_path):
     steps = ["--train-iters", "6"]
     one = run_ranks(_train, 1, steps, str(tmp_path / "one"))[0]
-    dup = run_ranks(_train, 4, steps + ["--tensor-model-parallel-size", "2",
-                                        "--muon-tp-mode", "duplicated"], str(tmp_path / "dup"))
-    for losses in dup:
+    tp2 = steps + ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]
+    dup = run_ranks(_train, 4, tp2, str(tmp_path / "dup"))
+    zero1 = run_ranks(_train, 4, tp2 + ["--use-distributed-optimizer"], str(tmp_path / "z"))
+    for losses in dup + zero1:
         assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < 1e-5, (losses, one)
+    bf16 = run_ranks(_train, 4, tp2 + ["--use-distributed-optimizer", "--bf16"],
+                     str(tmp_path / "bf16"))[0]
+    assert max(abs(a - b) for a, b in zip(bf16, one, strict=True)) < 3e-2, (bf16, one)
     block = run_ranks(_train, 2, steps + ["--tensor-model-parallel-size", "2"],
                       str(tmp_path / "block"))[0]
     assert block[-1] < block[0] - 0.5 and one[-1] < one[0] - 0.5, (block, one)
 
 
-def test_muon_resumes_bit_for_bit(tmp_path):
+def _zero1_pieces(rank, world):
+    """Muon inside DistributedOptimizer: this rank's momentum pieces and how
+    many of the model's matrices are split between the two ranks."""
+    from megatronapp import parallel_state
+    from megatronapp.pretrain import build_parser
+    from megatronapp.training import Config, build_run, train_step
+
+    cfg = Config.from_args(build_parser().parse_args(
+        FLAGS + ["--use-distributed-optimizer", "--output-dir", "/tmp/o"]))
+    run = build_run(cfg)
+    try:
+        train_step(run, 0)
+        opt = run.optimizer
+        muon = [s for s in opt.shards() if "momentum_buffer" in s.state]
+        split = sum(1 for s in muon if (s.lo, s.hi) != (0, s.param.numel()))
+        total = sum(p.numel() for p, g in opt._group_of.items() if g.get("muon"))
+        return (type(opt).__name__, type(opt.optimizer).__name__, split,
+                sum(s.state["momentum_buffer"].numel() for s in muon), total)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_zero1_shards_the_momentum():
+    res = run_ranks(_zero1_pieces, 2)
+    assert all(r[:2] == ("DistributedOptimizer", "Muon") for r in res), res
+    total = res[0][4]
+    # the two ranks' momentum pieces partition the matrices; one is split between them
+    assert sum(r[3] for r in res) == total and all(r[3] < total for r in res), res
+    assert any(r[2] for r in res), res
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"]],
+                         ids=["fp32", "zero1-bf16"])
+def test_muon_resumes_bit_for_bit(tmp_path, extra):
     common = ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated",
-              "--train-iters", "6"]
+              "--train-iters", "6"] + extra
     ck = str(tmp_path / "ck")
     full = run_ranks(_train, 4, common + ["--save", ck, "--save-interval", "3"],
                      str(tmp_path / "a"))[0]
@@ -136,10 +175,12 @@ def test_what_muon_cannot_run_with_is_refused():
     from megatronapp.memory.plan import estimate
     from megatronapp.pretrain import build_parser
 
-    msgs = error_messages(_check(["--use-distributed-optimizer"]), _check(["--bf16"]),
+    msgs = error_messages(_check(["--optimizer-impl", "fused"]),
+                          _check(["--pipeline-model-parallel-size", "2",
+                                  "--forward-backward-disaggregating"]),
                           _check(["--muon-num-ns-steps", "0"]),
                           lambda: estimate(build_parser().parse_args(FLAGS), 2))
-    assert "--use-distributed-optimizer" in msgs[0] and "flat fp32 shards" in msgs[0]
-    assert "--bf16/--fp16" in msgs[1]
+    assert "drop --optimizer-impl fused" in msgs[0]
+    assert "--forward-backward-disaggregating" in msgs[1]
     assert "--muon-num-ns-steps" in msgs[2]
     assert "does not model --optimizer muon" in msgs[3]

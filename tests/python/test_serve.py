@@ -110,6 +110,41 @@ def _engine(rank, world, ckpt, tp, pp):
             [o["logprobs"] for o in out], streamed)
 
 
+def _engine_joining(rank, world, ckpt, tp, pp):
+    """Continuous batching: one short prompt starts; at admit()'s 2nd call a
+    greedy and a sampled prompt join, at its 5th the longest one (longer than
+    the columns filled so far: the cache is widened on the left)."""
+    from megatronapp.data import ByteTokenizer
+    from megatronapp.inference import InferenceEngine, SamplingParams, load_model
+
+    model, state = load_model(ckpt, tp, pp)
+    tok = ByteTokenizer()
+    eng = InferenceEngine(model, state, vocab=tok.vocab_size, eod=None)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+    arrivals = {2: ([tok.tokenize(PROMPTS[0]), tok.tokenize(PROMPTS[0])],
+                    [greedy[0], SamplingParams(**SAMPLED)]),
+                5: ([tok.tokenize(PROMPTS[2])], [greedy[2]])}
+    calls, active = [0], []
+
+    def admit(n):
+        calls[0] += 1
+        active.append(n)
+        return arrivals.get(calls[0], ([], []))
+    out = eng.generate([tok.tokenize(PROMPTS[1])], [greedy[1]], admit=admit)
+    return [o["tokens"] for o in out], [o["finish_reason"] for o in out], active
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_requests_joining_a_running_batch_get_the_references_tokens(ckpts, references, tp, pp):
+    greedy, sampled = references["llama"]
+    for tokens, reasons, active in run_ranks(_engine_joining, tp * pp, ckpts["llama"], tp, pp):
+        assert tokens == [greedy[1], greedy[0], sampled, greedy[2]], tokens
+        assert reasons == ["length"] * 4
+        # admit() runs after each decoding step: 1 sequence, 3 once the first arrivals
+        # joined (at its 2nd call), 4 once the long prompt did (at its 5th)
+        assert active[:7] == [1, 1, 3, 3, 3, 4, 4], active
+
+
 @pytest.fixture(scope="module")
 def references(ckpts):
     return {name: run_ranks(_reference, 1, path)[0] for name, path in ckpts.items()}

@@ -67,57 +67,109 @@ class InferenceEngine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
+    def check(self, prompt: list, params: SamplingParams) -> None:
+        """Raises ValueError unless the request can run on this model."""
+        if len(prompt) == 0:
+            raise ValueError("generate: a prompt has no tokens")
+        if len(prompt) + params.max_tokens > self.cfg.seq_length:  # positions stay in range
+            raise ValueError(f"a prompt of {len(prompt)} tokens and max_tokens "
+                             f"{params.max_tokens} exceed the model's seq_length "
+                             f"{self.cfg.seq_length}")
+
     @torch.no_grad()
-    def generate(self, prompts: list, params: list, on_token=None) -> list:
+    def generate(self, prompts: list, params: list, on_token=None, admit=None) -> list:
         """`prompts`: token-id lists (non-empty); `params`: one SamplingParams
         each. `on_token(i, token, logprob, finish_reason or None)` is called on
-        every rank as each token is chosen. Returns a Completion per request."""
+        every rank as each token is chosen. Returns a Completion per request.
+
+        Continuous batching: `admit(active)`, when given, is called on every
+        rank before each decoding step with the number of sequences in the
+        batch, and returns ``(prompts, params)`` that join the batch now (the
+        same on every rank: the server's driver broadcasts them). Their
+        prompts are prefilled and they decode with the others from then on;
+        their Completions follow the earlier ones in the returned list, and
+        `on_token` numbers them the same way."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError("generate: give one SamplingParams per prompt, and at least one")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: a prompt has no tokens")
-        for p, sp in zip(prompts, params, strict=True):  # positions stay within the model's
-            if len(p) + sp.max_tokens > self.cfg.seq_length:
-                raise ValueError(f"a prompt of {len(p)} tokens and max_tokens {sp.max_tokens} "
-                                 f"exceed the model's seq_length {self.cfg.seq_length}")
-        width = max(len(p) for p in prompts)
-        capacity = width + max(p.max_tokens for p in params)  # columns (left padding)
-        b = len(prompts)
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        valid = torch.zeros(b, width, dtype=torch.bool)
-        for i, p in enumerate(prompts):  # left padding: every sequence ends at the last column
-            tokens[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[i, width - len(p):] = True
-        gens = [self._generator(p) if self.is_chooser else None for p in params]
-        out = [Completion(tokens=[], logprobs=[], finish_reason=None) for _ in prompts]
-        rows = list(range(b))  # the requests still in the batch, in batch order
-        cache = kv_cache.KVCache(b, capacity, self.device)
-        while rows:
-            cache.step(valid)
+        out, all_params, gens, rows = [], [], [], []
+        cache = kv_cache.KVCache(0, 0, self.device)
+        tokens = torch.zeros(0, 1, dtype=torch.long)
+        new = (prompts, params)
+        while True:
+            if new and new[0]:
+                cache, tokens = self._join(cache, tokens, new, rows, out, all_params, gens,
+                                           on_token)
+            if not rows:
+                return out
+            cache.step(torch.ones(len(rows), 1, dtype=torch.bool))
             seen = cache.valid[:, :cache.length + cache.new]
             pos = kv_cache.position_ids(seen)[:, cache.length:]
             logits = self._forward(tokens, pos, cache)
             cache.advance()
-            picked = self._choose(logits, rows, params, gens, out)
-            kept = []
-            for j, i in enumerate(rows):
-                token, logprob, finished = int(picked[j, 0]), float(picked[j, 1]), \
-                    int(picked[j, 2])
-                out[i]["tokens"].append(token)
-                out[i]["logprobs"].append(logprob)
-                reason = (None, "length", "stop")[finished]
-                out[i]["finish_reason"] = reason
-                if on_token is not None:
-                    on_token(i, token, logprob, reason)
-                if reason is None:
-                    kept.append(j)
-            if len(kept) < len(rows):
-                cache.keep(torch.tensor(kept, dtype=torch.long))
-                rows = [rows[j] for j in kept]
-                picked = picked[kept]
-            tokens = picked[:, :1].long()
-            valid = torch.ones(len(rows), 1, dtype=torch.bool)
-        return out
+            tokens = self._take(logits, cache, rows, out, all_params, gens, on_token)
+            new = admit(len(rows)) if admit is not None and rows else None
+
+    def _join(self, cache, tokens, new, rows, out, all_params, gens, on_token):
+        """Prefills the requests `new` = (prompts, params) in a cache laid out
+        like `cache` (widened on the left if a prompt is longer than its
+        filled columns), chooses their first tokens and appends the rows that
+        go on. Returns the batch's cache and next tokens."""
+        prompts, params = new
+        if len(prompts) != len(params):
+            raise ValueError("generate: give one SamplingParams per prompt")
+        for p, sp in zip(prompts, params, strict=True):
+            self.check(p, sp)
+        width = max(cache.length, max(len(p) for p in prompts))
+        left = [all_params[i].max_tokens - len(out[i]["tokens"]) for i in rows]
+        capacity = max([cache.capacity] + [width + n for n in left]
+                       + [width + sp.max_tokens for sp in params])
+        if (width, capacity) != (cache.length, cache.capacity):
+            cache.pad_left(width - cache.length, capacity)
+        first = len(out)
+        for sp in params:
+            out.append(Completion(tokens=[], logprobs=[], finish_reason=None))
+            all_params.append(sp)
+            gens.append(self._generator(sp) if self.is_chooser else None)
+        b = len(prompts)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding: every sequence ends at the last column
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, width - len(p):] = True
+        joining = kv_cache.KVCache(b, capacity, self.device)
+        joining.step(valid)
+        pos = kv_cache.position_ids(joining.valid[:, :width])
+        logits = self._forward(ids, pos, joining)
+        joining.advance()
+        new_rows = list(range(first, first + b))
+        picked = self._take(logits, joining, new_rows, out, all_params, gens, on_token)
+        if new_rows:
+            cache.append(joining)
+            rows.extend(new_rows)
+            tokens = torch.cat([tokens, picked])
+        return cache, tokens
+
+    def _take(self, logits, cache, rows, out, all_params, gens, on_token) -> torch.Tensor:
+        """Chooses a token for every row of `rows` (the batch rows of
+        `cache`), hands it on and drops the finished rows from `rows` and the
+        cache; returns the next tokens [len(rows), 1] of those left."""
+        picked = self._choose(logits, rows, all_params, gens, out)
+        kept = []
+        for j, i in enumerate(rows):
+            token, logprob, finished = int(picked[j, 0]), float(picked[j, 1]), int(picked[j, 2])
+            out[i]["tokens"].append(token)
+            out[i]["logprobs"].append(logprob)
+            reason = (None, "length", "stop")[finished]
+            out[i]["finish_reason"] = reason
+            if on_token is not None:
+                on_token(i, token, logprob, reason)
+            if reason is None:
+                kept.append(j)
+        if len(kept) < len(rows):
+            cache.keep(torch.tensor(kept, dtype=torch.long))
+            rows[:] = [rows[j] for j in kept]
+            picked = picked[kept]
+        return picked[:, :1].long()
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.temperature == 0.0:

@@ -18,7 +18,11 @@ Positions (RoPE's angles, the learned table's rows) count real tokens only:
 
 The model's attention modules read the cache from :func:`current` while a
 :func:`active` block runs; :meth:`KVCache.step` marks the columns of the next
-forward. Finished sequences leave the batch with :meth:`KVCache.keep`.
+forward. Finished sequences leave the batch with :meth:`KVCache.keep`; new
+ones join it (continuous batching) with :meth:`KVCache.append`, their prompts
+prefilled in a cache of their own laid out to the same columns
+(:meth:`KVCache.pad_left` first makes room when a newcomer's prompt is longer
+than the columns filled so far: more left padding changes no position).
 """
 
 from __future__ import annotations
@@ -115,6 +119,38 @@ class KVCache:
         cached k, v [b, heads, length + n, d]."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask().to(q.device),
                                               scale=scale)
+
+    def pad_left(self, columns: int, capacity: int) -> None:
+        """Adds `columns` padding columns in front of every row and makes the
+        capacity `capacity` (at least the filled columns)."""
+        if self.new:
+            raise RuntimeError("KV cache: pad_left() between step() and advance()")
+        length = self.length + columns
+        if capacity < length:
+            raise ValueError(f"KV cache: capacity {capacity} is below the {length} columns "
+                             "it would hold")
+        valid = torch.zeros(self.batch, capacity, dtype=torch.bool, device=self.valid.device)
+        valid[:, columns:length] = self.valid[:, :self.length]
+
+        def moved(t):
+            out = t.new_empty(*t.shape[:2], capacity, t.shape[3])
+            out[:, :, columns:length] = t[:, :, :self.length]
+            return out
+        self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}
+        self.valid, self.length, self.capacity = valid, length, capacity
+
+    def append(self, other: KVCache) -> None:
+        """Adds `other`'s rows after this cache's; both must hold the same
+        columns (length and capacity) and the same attention modules."""
+        if (other.length, other.capacity) != (self.length, self.capacity) or self.new or \
+                other.new:
+            raise ValueError(f"KV cache: appending rows of {other.length}/{other.capacity} "
+                             f"columns to {self.length}/{self.capacity}")
+        if self.batch and set(other._kv) != set(self._kv):
+            raise ValueError("KV cache: the appended rows come from other attention modules")
+        self.valid = torch.cat([self.valid, other.valid])
+        self._kv = {key: (torch.cat([self._kv[key][0], k]), torch.cat([self._kv[key][1], v]))
+                    if key in self._kv else (k, v) for key, (k, v) in other._kv.items()}
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keeps only the batch rows `rows` (int64 indices), in that order."""

@@ -11,7 +11,10 @@ for more once one is there), broadcasts them, and every rank runs
 :class:`~megatronapp.inference.InferenceEngine` on them together: one batch,
 KV-cached, each prompt with its own sampling parameters and seed. Tokens
 reach the clients as they are chosen (``"stream": true``). A prompt that
-arrives during a batch waits for the next one (no joining a running batch).
+arrives while a batch runs joins it before the next decoding step
+(continuous batching; ``--max-batch-size`` bounds the sequences in flight):
+rank 0 broadcasts the newcomers at every step, each rank prefills them and
+they decode with the others.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Driver:
         self.max_batch_size, self.batch_wait_s = max_batch_size, batch_wait_s
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.batches = 0  #: batches run (rank 0)
+        self.joined = 0  #: jobs that joined a running batch (rank 0)
 
     def _broadcast(self, cmd):
         if self.world == 1:
@@ -62,7 +66,7 @@ class Driver:
 
     def run_once(self, requests: queue.Queue, timeout: float = KEEPALIVE_S) -> int:
         """(rank 0) One batch, or a keep-alive no-op when none came: the
-        number of jobs run."""
+        number of jobs run (those that joined it included)."""
         jobs = self.take(requests, timeout)
         if not jobs:
             self._broadcast({"op": "noop"})
@@ -72,13 +76,37 @@ class Driver:
 
         def on_token(i, token, logprob, reason):
             jobs[i].push({"token": token, "logprob": logprob, "finish_reason": reason})
+
+        def admit(active: int):
+            joining = []
+            while active + len(joining) < self.max_batch_size:
+                try:
+                    joining.append(requests.get_nowait())
+                except queue.Empty:
+                    break
+            jobs.extend(joining)
+            self.joined += len(joining)
+            return self._join_command(joining)
         try:
-            self.engine.generate([j.prompt for j in jobs], [j.params for j in jobs], on_token)
+            self.engine.generate([j.prompt for j in jobs], [j.params for j in jobs], on_token,
+                                 admit)
         except Exception as e:  # noqa: BLE001 - the clients hear of it; the server goes on
             for j in jobs:
                 j.push({"error": f"{type(e).__name__}: {e}"})
         self.batches += 1
         return len(jobs)
+
+    def _join_command(self, joining: list):
+        """Broadcasts the jobs joining the running batch (rank 0), or
+        receives them (the others): the engine's (prompts, params)."""
+        from ..inference import SamplingParams
+
+        cmd = self._broadcast(None if joining is None else {
+            "prompts": [j.prompt for j in joining],
+            "params": [dataclasses.asdict(j.params) for j in joining]})
+        if joining is not None:
+            return [j.prompt for j in joining], [j.params for j in joining]
+        return cmd["prompts"], [SamplingParams(**p) for p in cmd["params"]]
 
     def stop(self) -> None:
         """(rank 0) Tells the other ranks to return from :meth:`follow`."""
@@ -95,6 +123,7 @@ class Driver:
             if cmd["op"] == "generate":
                 try:
                     self.engine.generate(cmd["prompts"],
-                                         [SamplingParams(**p) for p in cmd["params"]])
+                                         [SamplingParams(**p) for p in cmd["params"]],
+                                         admit=lambda active: self._join_command(None))
                 except Exception:  # noqa: BLE001 - rank 0 reports it to the clients
                     pass

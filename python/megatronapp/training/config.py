@@ -466,7 +466,7 @@ class OptimConfig:
         "adam", "adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with "
         "--sgd-momentum; both under ZeRO-1, mixed precision and checkpoints; muon: "
         "orthogonalized momentum for the linear layers' matrices, AdamW for the rest "
-        "(megatronapp.muon; fp32, without ZeRO-1)", choices=("adam", "sgd", "muon"))
+        "(megatronapp.muon)", choices=("adam", "sgd", "muon"))
     adam_beta1: float = _flag(0.9, "AdamW's first-moment decay")
     adam_beta2: float = _flag(
         0.95, "AdamW's second-moment decay (Megatron-LM's default is 0.999; 0.95 is the "
@@ -918,18 +918,13 @@ class Config:
         """--optimizer muon and its flags; --manual-gc's."""
         o = self.optim
         if o.optimizer == "muon":
-            pr = self.precision
-            for bad, why in ((self.data_parallel.use_distributed_optimizer,
-                              "--use-distributed-optimizer"),
-                             (pr.bf16 or pr.fp16, "--bf16/--fp16"),
-                             (self.parallel.forward_backward_disaggregating,
-                              "--forward-backward-disaggregating"),
-                             (o.optimizer_impl == "fused", "--optimizer-impl fused")):
-                if bad:
-                    raise ConfigError(
-                        f"--optimizer muon does not run with {why}: Muon orthogonalizes whole "
-                        "weight matrices, and the ZeRO-1 / mixed-precision optimizers hand it "
-                        "flat fp32 shards (use --optimizer adam there)")
+            if self.parallel.forward_backward_disaggregating:
+                raise ConfigError("--optimizer muon does not run with "
+                                  "--forward-backward-disaggregating yet (use --optimizer adam "
+                                  "there)")
+            if o.optimizer_impl == "fused":
+                raise ConfigError("--optimizer-impl fused is the fused AdamW; Muon has its own "
+                                  "step: drop --optimizer-impl fused with --optimizer muon")
             if not 0.0 <= o.muon_momentum < 1.0 or o.muon_num_ns_steps < 1:
                 raise ConfigError("--muon-momentum must be in [0, 1) and --muon-num-ns-steps "
                                   ">= 1")

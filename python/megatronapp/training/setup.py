@@ -416,8 +416,9 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
                "weight_decay": config.optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if config.optim.optimizer == "muon":
-        return _muon(config.optim, chunks, state)
-    cls, kwargs = inner_optimizer(config.optim)
+        cls, groups, kwargs = _muon(config.optim, chunks, state)
+    else:
+        cls, kwargs = inner_optimizer(config.optim)
     if config.data_parallel.use_distributed_optimizer:
         return DistributedOptimizer(chunks, cls, groups, parallel_state=state,
                                     grad_scaler=grad_scaler(config),
@@ -430,9 +431,9 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
 
 
 def _muon(optim, chunks: list, state: ParallelState):
-    """--optimizer muon: the linear layers' matrices in Muon's group, the
-    embeddings and the output layer (matrices too) and every vector in
-    AdamW's (megatronapp.muon)."""
+    """--optimizer muon: (class, groups, options) with the linear layers'
+    matrices in Muon's group, the embeddings and the output layer (matrices
+    too) and every vector in AdamW's (megatronapp.muon)."""
     from ..muon import Muon
 
     matrices, others, vectors = [], [], []
@@ -444,12 +445,12 @@ def _muon(optim, chunks: list, state: ParallelState):
     groups = [{"params": matrices, "weight_decay": optim.weight_decay, "muon": True},
               {"params": others, "weight_decay": optim.weight_decay},
               {"params": vectors, "weight_decay": 0.0}]
-    return Muon([g for g in groups if g["params"]], lr=optim.lr, momentum=optim.muon_momentum,
-                nesterov=optim.muon_nesterov, ns_steps=optim.muon_num_ns_steps,
-                scale_mode=optim.muon_scale_mode,
-                extra_scale_factor=optim.muon_extra_scale_factor, tp_mode=optim.muon_tp_mode,
-                split_qkv=not optim.no_muon_split_qkv, tp_group=state.tensor_group,
-                betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    return Muon, [g for g in groups if g["params"]], dict(
+        lr=optim.lr, momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
+        ns_steps=optim.muon_num_ns_steps, scale_mode=optim.muon_scale_mode,
+        extra_scale_factor=optim.muon_extra_scale_factor, tp_mode=optim.muon_tp_mode,
+        split_qkv=not optim.no_muon_split_qkv, tp_group=state.tensor_group,
+        betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
 
 
 def build_dataset(config: Config):
