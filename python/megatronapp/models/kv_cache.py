@@ -132,8 +132,8 @@ class KVCache:
         valid = torch.zeros(self.batch, capacity, dtype=torch.bool, device=self.valid.device)
         valid[:, columns:length] = self.valid[:, :self.length]
 
-        def moved(t):
-            out = t.new_empty(*t.shape[:2], capacity, t.shape[3])
+        def moved(t):  # (zeros in the new padding: masked, but 0 x NaN would be NaN)
+            out = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
             out[:, :, columns:length] = t[:, :, :self.length]
             return out
         self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}

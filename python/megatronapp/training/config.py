@@ -922,9 +922,6 @@ class Config:
                 raise ConfigError("--optimizer muon does not run with "
                                   "--forward-backward-disaggregating yet (use --optimizer adam "
                                   "there)")
-            if o.optimizer_impl == "fused":
-                raise ConfigError("--optimizer-impl fused is the fused AdamW; Muon has its own "
-                                  "step: drop --optimizer-impl fused with --optimizer muon")
             if not 0.0 <= o.muon_momentum < 1.0 or o.muon_num_ns_steps < 1:
                 raise ConfigError("--muon-momentum must be in [0, 1) and --muon-num-ns-steps "
                                   ">= 1")
