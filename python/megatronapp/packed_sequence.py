@@ -58,6 +58,10 @@ class MaskedTarget:
     labels: torch.Tensor
     mask: torch.Tensor
     divisor: float
+    #: --mtp-num-layers (training): models.mtp.mtp_targets with the documents
+    mtp: list | None = None
+    #: the microbatch's PackedSeq, for the MTP layers' attention and positions
+    packed: PackedSeq | None = None
 
 
 _CURRENT: list = [None]

@@ -198,10 +198,81 @@ def test_packing_flags_that_cannot_run_are_named(corpus):
     def check(extra, world=1):
         Config.from_args(build_parser().parse_args(FLAGS + PACKED + extra)).check(world)
 
-    msgs = error_messages(lambda: check(["--mtp-num-layers", "1"]),
-                          lambda: check(["--forward-backward-disaggregating",
+    msgs = error_messages(lambda: check(["--forward-backward-disaggregating",
                                          "--pipeline-model-parallel-size", "2"], 6),
                           exc=ConfigError)
-    assert "do not run with --mtp-num-layers yet" in msgs[0]
-    assert "do not run with --forward-backward-disaggregating yet" in msgs[1]
+    assert "do not run with --forward-backward-disaggregating yet" in msgs[0]
     assert os.path.exists(corpus)
+
+
+# ---- multi-token prediction over packed documents -------------------------------------
+def test_mtp_targets_stop_at_a_documents_end():
+    from megatronapp import packed_sequence as ps
+    from megatronapp.models.mtp import mtp_targets
+
+    x = torch.tensor([[5, 6, EOD, 7, 8, 9]])  # a, b, EOD | c, d, e
+    y = torch.tensor([[6, EOD, 7, 8, 9, 4]])  # the labels: ... e -> f
+    docs = ps.document_ids(torch.cat([x, y[:, -1:]], 1), EOD)  # 0 0 0 1 1 1 1
+    (ids1, tgt1, keep1, div1), (ids2, tgt2, keep2, div2) = mtp_targets(y, 2, documents=docs)
+    assert ids1.tolist() == y.tolist() and tgt1.tolist() == [[EOD, 7, 8, 9, 4, 6]]
+    # depth 1 at i predicts t_{i+2}: not across the EOD, not past the end
+    assert keep1.int().tolist() == [[1, 0, 0, 1, 1, 0]] and div1 == 3.0
+    assert keep2.int().tolist() == [[0, 0, 0, 1, 0, 0]] and div2 == 1.0
+    # without documents: only the ends of the sequence
+    (_, _, k, d), = mtp_targets(y, 1)
+    assert k.int().tolist() == [[1, 1, 1, 1, 1, 0]] and d == 5
+
+
+def _mtp_alone_vs_packed(rank, world):
+    """The MTP loss of three documents packed in one sequence against the
+    same documents run one by one (float64, one rank): summed over the
+    targets each keeps."""
+    import megatronapp as mapp
+    from megatronapp import packed_sequence as ps
+    from megatronapp.models import GPTConfig, GPTModel
+    from megatronapp.models.mtp import mtp_loss, mtp_targets
+
+    mapp.initialize_model_parallel(1, 1)
+    try:
+        model = GPTModel(GPTConfig(
+            vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=32,
+            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+            position_embedding_type="rope", mtp_num_layers=2)).double()
+        g = torch.Generator().manual_seed(4)
+        docs = [torch.randint(1, 64, (n,), generator=g) for n in (7, 11, 6)]
+        for d in docs:
+            d[-1] = EOD
+        nxt = torch.tensor([9])  # the token after the window
+
+        def total(tokens, after):
+            labels = torch.cat([tokens[1:], after]).unsqueeze(0)
+            x = tokens.unsqueeze(0)
+            info = ps.PackedSeq(segment_ids=ps.document_ids(x, EOD),
+                                position_ids=ps.reset_positions(x, EOD))
+            targets = mtp_targets(labels, 2, documents=ps.document_ids(
+                torch.cat([x, labels[:, -1:]], 1), EOD))
+            model(x, packed=info)
+            with ps.active(info):
+                _, parts = mtp_loss(model, model.take_mtp_hidden(), labels, targets)
+            return torch.stack([p * t[3] for p, t in zip(parts, targets, strict=True)])
+        packed = total(torch.cat(docs), nxt)
+        alone = sum(total(d, nxt) for d in docs)
+        return (packed - alone).abs().max().item(), packed.abs().min().item()
+    finally:
+        mapp.destroy_model_parallel()
+
+
+def test_mtp_over_packed_documents_is_each_documents_alone():
+    err, size = run_ranks(_mtp_alone_vs_packed, 1)[0]
+    assert err < 1e-10 and size > 1.0, (err, size)
+
+
+def test_mtp_with_packing_is_the_same_at_every_layout(corpus, tmp_path):
+    extra = PACKED + ["--data-path", corpus, "--mtp-num-layers", "1"]
+    one = run_ranks(_train, 1, extra, str(tmp_path / "one"))[0]
+    no_mtp = run_ranks(_train, 1, PACKED + ["--data-path", corpus], str(tmp_path / "no"))[0]
+    assert one[0] == no_mtp[0] and one[1:] != no_mtp[1:]  # MTP trains through the gradient
+    for world, flags in (LAYOUTS[0], LAYOUTS[1]):
+        for losses in run_ranks(_train, world, extra + flags, str(tmp_path / "_".join(flags))):
+            assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one, strict=True)), (
+                flags, losses, one)

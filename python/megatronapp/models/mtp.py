@@ -81,22 +81,33 @@ class MTPLayer(nn.Module):
         return self.layer(x)
 
 
-def mtp_targets(labels: torch.Tensor, depths: int, cp_size: int = 1, cp_rank: int = 0) -> list:
+def mtp_targets(labels: torch.Tensor, depths: int, cp_size: int = 1, cp_rank: int = 0,
+                documents: torch.Tensor | None = None) -> list:
     """Per depth k = 1..`depths`: (input ids t_{i+k}, targets t_{i+k+1}, the
-    mask of the positions that have a target), from the whole sequences'
-    `labels` [b, s] (the tokens shifted by one): the labels shifted k - 1 and
-    k places, the last k positions masked. With context parallelism, this
-    context rank's zigzag parts of each (the shift crosses the chunks, so it
-    is taken before the split)."""
+    mask [b, s] of the positions that have a target, the loss divisor), from
+    the whole sequences' `labels` [b, s] (the tokens shifted by one): the
+    labels shifted k - 1 and k places, the last k positions masked. With
+    context parallelism, this context rank's zigzag parts of each (the shift
+    crosses the chunks, so it is taken before the split); the divisor is then
+    this rank's share, the kept targets / cp. `documents` [b, s + 1] (packed
+    documents): the document of each input token and of the last label; a
+    position whose target lies in another document than its own token is
+    masked too (no prediction across a document's end)."""
     from ..context_parallel import zigzag_split
 
-    s = labels.shape[1]
+    b, s = labels.shape
     pos = torch.arange(s, device=labels.device)
     out = []
     for k in range(1, depths + 1):
         ids, tgt = torch.roll(labels, -(k - 1), dims=1), torch.roll(labels, -k, dims=1)
+        keep = (pos < s - k).expand(b, s)
+        if documents is None:
+            divisor = b * (s - k) / cp_size
+        else:
+            keep = keep & (documents[:, :s] == torch.roll(documents, -(k + 1), dims=1)[:, :s])
+            divisor = max(float(keep.sum()), 1.0) / cp_size
         out.append((zigzag_split(ids, cp_size, cp_rank, 1), zigzag_split(tgt, cp_size, cp_rank, 1),
-                    zigzag_split(pos < s - k, cp_size, cp_rank, 0)))
+                    zigzag_split(keep, cp_size, cp_rank, 1), divisor))
     return out
 
 
@@ -108,7 +119,9 @@ def mtp_loss(model, hidden: torch.Tensor, labels: torch.Tensor, targets: list | 
     :func:`mtp_targets` of the whole sequences; each depth's loss is then this
     rank's share of the mean over the b (S - k) targets of the whole length S,
     times cp (the context ranks' losses and gradients are averaged, as the
-    language model's)."""
+    language model's). Packed documents: `targets` from :func:`mtp_targets`
+    with the documents (and the model's forward's PackedSeq active), each
+    depth's loss the mean over the targets left in the documents."""
     cfg = model.config
     cp = getattr(model, "cp_size", 1)
     if targets is None:
@@ -119,10 +132,9 @@ def mtp_loss(model, hidden: torch.Tensor, labels: torch.Tensor, targets: list | 
         targets = mtp_targets(labels, len(model.mtp))
     if len(targets) != len(model.mtp):
         raise ValueError(f"{len(targets)} MTP targets for {len(model.mtp)} depths")
-    b, s = labels.shape[0], labels.shape[1] * cp  # s: the whole sequence
     losses = []
     h = hidden
-    for (k, layer), (ids, tgt, keep) in zip(enumerate(model.mtp, 1), targets, strict=True):
+    for layer, (ids, tgt, keep, divisor) in zip(model.mtp, targets, strict=True):
         e = model.word_embeddings(ids).transpose(0, 1).contiguous()  # [s/cp, b, h]
         if cfg.sequence_parallel:
             e = mappings.scatter_to_sequence_parallel_region(e, model.group)
@@ -130,8 +142,8 @@ def mtp_loss(model, hidden: torch.Tensor, labels: torch.Tensor, targets: list | 
         logits = model.output_logits(layer.final_layernorm(h))  # [s/cp, b, V/tp]
         per_token = vocab_parallel_cross_entropy(logits.float(), tgt.transpose(0, 1),
                                                  group=model.group)
-        keep = keep.to(per_token.dtype)
-        losses.append((per_token * keep.unsqueeze(1)).sum() / (b * (s - k) / cp))
+        keep = keep.to(per_token.dtype).t()  # [s/cp, b] as per_token
+        losses.append((per_token * keep).sum() / divisor)
     total = torch.stack(losses).sum() * (cfg.mtp_loss_scaling_factor / len(losses))
     return total, [x.detach() for x in losses]
 

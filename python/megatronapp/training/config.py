@@ -794,10 +794,6 @@ class Config:
             raise ConfigError("--reset-position-ids/--reset-attention-mask/--eod-mask-loss/"
                               "--calculate-per-token-loss do not run with "
                               "--forward-backward-disaggregating yet")
-        if self.model.mtp_num_layers:
-            raise ConfigError("--reset-position-ids/--reset-attention-mask/--eod-mask-loss/"
-                              "--calculate-per-token-loss do not run with --mtp-num-layers yet "
-                              "(the MTP depths' shifted targets would cross documents)")
 
     def check(self, world_size: int) -> Plan:
         """Every check that needs neither a model nor a collective; raises

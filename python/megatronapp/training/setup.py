@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import torch
 
-from .. import _collectives, checkpoint, memory
+from .. import _collectives, checkpoint, memory, packed_sequence
 from .. import parallel_state as ps
 from ..comm import Compression
 from ..data import TextDataset, build_tokenizer, default_corpus, padded_vocab_size
@@ -156,27 +156,38 @@ class GPTTask:
         mtp = next((m for m in (getattr(c, "module", c) for c in run.chunks)
                     if getattr(m, "mtp", None) is not None), None)
 
+        def on_device(depth_targets):
+            return [tuple(t.to(device) if torch.is_tensor(t) else t for t in d)
+                    for d in depth_targets]
+
+        def with_mtp(loss, labels, depth_targets):
+            """The MTP losses trained through the gradient, reported on their own."""
+            extra, parts = mtp_loss(mtp, mtp.take_mtp_hidden(), labels, depth_targets)
+            run.extra.setdefault("mtp_losses", []).append(torch.stack(parts))
+            return AddToGradient.apply(loss, extra)
+
         def loss_fn(logits, target):  # logits [b, s, V/tp] on the last stage
             if isinstance(target, MaskedTarget):  # packed documents (training/step.py)
+                labels = target.labels.to(device)
                 ce = vocab_parallel_cross_entropy(
-                    logits.transpose(0, 1).float(), target.labels.to(device).transpose(0, 1),
+                    logits.transpose(0, 1).float(), labels.transpose(0, 1),
                     group=state.tensor_group)
                 loss = (ce * target.mask.to(device).transpose(0, 1)).sum() / target.divisor
+                if mtp is not None and torch.is_grad_enabled() and target.mtp is not None:
+                    with packed_sequence.active(target.packed):  # the documents' attention
+                        loss = with_mtp(loss, labels, on_device(target.mtp))
                 return loss * scale if scale != 1.0 else loss
             depth_targets = None
             if isinstance(target, tuple):  # context parallelism with MTP (training/step.py)
                 target, depth_targets = target
-                depth_targets = [tuple(t.to(device) for t in d) for d in depth_targets]
+                depth_targets = on_device(depth_targets)
             # The cross-entropy runs in fp32 whatever the model's precision (as
             # Megatron without --fp16-lm-cross-entropy).
             loss = vocab_parallel_cross_entropy(
                 logits.transpose(0, 1).float(), target.to(device).transpose(0, 1),
                 group=state.tensor_group).mean()
             if mtp is not None and torch.is_grad_enabled():  # trained, reported on its own
-                extra, parts = mtp_loss(mtp, mtp.take_mtp_hidden(), target.to(device),
-                                        depth_targets)
-                run.extra.setdefault("mtp_losses", []).append(torch.stack(parts))
-                loss = AddToGradient.apply(loss, extra)
+                loss = with_mtp(loss, target.to(device), depth_targets)
             return loss * scale if scale != 1.0 else loss
         return loss_fn
 

@@ -70,7 +70,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
         micro = run.dataset.microbatches(tokens, labels, cfg.optim.micro_batch_size,
                                          state.dp_rank, state.dp_size)
         if cfg.packing():
-            micro = _packed_microbatches(run, tokens, micro)
+            micro = _packed_microbatches(run, tokens, micro, backward)
         elif state.cp_size > 1:  # this context rank's zigzag chunks of every sequence
             cp, r = state.cp_size, state.cp_rank
             depths = cfg.model.mtp_num_layers if backward else None
@@ -105,7 +105,7 @@ def _global_batch_loss(run, split: str, it: int, backward: bool, metric=None) ->
                        device)
 
 
-def _packed_microbatches(run, tokens, micro) -> list:
+def _packed_microbatches(run, tokens, micro, backward: bool = False) -> list:
     """(tokens, MaskedTarget, {"packed": PackedSeq}) per microbatch (Megatron-
     LM's get_ltor_masks_and_position_ids), this context rank's zigzag chunks
     of each. The loss divisor makes the global batch's loss Megatron-LM's: the
@@ -130,6 +130,10 @@ def _packed_microbatches(run, tokens, micro) -> list:
     def split(t):
         return zigzag_split(t, cp, r, 1) if cp > 1 else t
 
+    # MTP's depths predict further ahead: under --eod-mask-loss or
+    # --reset-attention-mask none predicts a token of another document.
+    depths = cfg.model.mtp_num_layers if backward else 0
+    apart = data.eod_mask_loss or data.reset_attention_mask
     out = []
     for x, y in micro:
         mask = mask_of(x)
@@ -137,8 +141,14 @@ def _packed_microbatches(run, tokens, micro) -> list:
         packed = packed_sequence.PackedSeq(
             segment_ids=packed_sequence.document_ids(x, eod) if data.reset_attention_mask else None,
             position_ids=split(packed_sequence.reset_positions(x, eod)) if data.reset_position_ids else None)
-        out.append((split(x), packed_sequence.MaskedTarget(split(y), split(mask), divisor),
-                    {"packed": packed.to(run.device)}))
+        packed = packed.to(run.device)
+        mtp = None
+        if depths:
+            docs = packed_sequence.document_ids(torch.cat([x, y[:, -1:]], 1), eod) if apart \
+                else None
+            mtp = mtp_targets(y, depths, cp, r, documents=docs)
+        out.append((split(x), packed_sequence.MaskedTarget(split(y), split(mask), divisor, mtp,
+                                                           packed), {"packed": packed}))
     return out
 
 
