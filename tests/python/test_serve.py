@@ -113,7 +113,8 @@ def _engine(rank, world, ckpt, tp, pp):
 def _engine_joining(rank, world, ckpt, tp, pp):
     """Continuous batching: one short prompt starts; at admit()'s 2nd call a
     greedy and a sampled prompt join, at its 5th the longest one (longer than
-    the columns filled so far: the cache is widened on the left)."""
+    the columns filled so far: the cache is widened on the left); once it
+    ends, the columns only it used are dropped (trim_left)."""
     from megatronapp.data import ByteTokenizer
     from megatronapp.inference import InferenceEngine, SamplingParams, load_model
 
@@ -130,19 +131,33 @@ def _engine_joining(rank, world, ckpt, tp, pp):
         calls[0] += 1
         active.append(n)
         return arrivals.get(calls[0], ([], []))
-    out = eng.generate([tok.tokenize(PROMPTS[1])], [greedy[1]], admit=admit)
-    return [o["tokens"] for o in out], [o["finish_reason"] for o in out], active
+    from megatronapp.models import kv_cache
+
+    trims, trim = [], kv_cache.KVCache.trim_left
+
+    def counted(cache):
+        trims.append(trim(cache))
+        return trims[-1]
+    kv_cache.KVCache.trim_left = counted
+    try:
+        out = eng.generate([tok.tokenize(PROMPTS[1])], [greedy[1]], admit=admit)
+    finally:
+        kv_cache.KVCache.trim_left = trim
+    return [o["tokens"] for o in out], [o["finish_reason"] for o in out], active, trims
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_requests_joining_a_running_batch_get_the_references_tokens(ckpts, references, tp, pp):
     greedy, sampled = references["llama"]
-    for tokens, reasons, active in run_ranks(_engine_joining, tp * pp, ckpts["llama"], tp, pp):
+    for tokens, reasons, active, trims in run_ranks(_engine_joining, tp * pp, ckpts["llama"],
+                                                    tp, pp):
         assert tokens == [greedy[1], greedy[0], sampled, greedy[2]], tokens
         assert reasons == ["length"] * 4
         # admit() runs after each decoding step: 1 sequence, 3 once the first arrivals
         # joined (at its 2nd call), 4 once the long prompt did (at its 5th)
         assert active[:7] == [1, 1, 3, 3, 3, 4, 4], active
+        # the longest prompt starts at column 0 and ends first: its columns are dropped
+        assert sum(trims) > 0 and trims[:5] == [0] * 5, trims
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,8 @@ class InferenceEngine:
             logits = self._forward(tokens, pos, cache)
             cache.advance()
             tokens = self._take(logits, cache, rows, out, all_params, gens, on_token)
+            if admit is not None:  # a batch that others join: no ever-growing columns
+                cache.trim_left()
             new = admit(len(rows)) if admit is not None and rows else None
 
     def _join(self, cache, tokens, new, rows, out, all_params, gens, on_token):

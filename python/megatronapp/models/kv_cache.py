@@ -22,7 +22,8 @@ forward. Finished sequences leave the batch with :meth:`KVCache.keep`; new
 ones join it (continuous batching) with :meth:`KVCache.append`, their prompts
 prefilled in a cache of their own laid out to the same columns
 (:meth:`KVCache.pad_left` first makes room when a newcomer's prompt is longer
-than the columns filled so far: more left padding changes no position).
+than the columns filled so far: more left padding changes no position), and
+:meth:`KVCache.trim_left` drops the columns that became padding in every row.
 """
 
 from __future__ import annotations
@@ -138,6 +139,28 @@ class KVCache:
             return out
         self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}
         self.valid, self.length, self.capacity = valid, length, capacity
+
+    def trim_left(self) -> int:
+        """Drops the leading columns that are padding in every row (left by
+        sequences that finished) so that a batch others keep joining does not
+        grow without bound; returns how many. Positions do not change."""
+        if self.new or not self.batch:
+            return 0
+        real = self.valid[:, :self.length].any(0)
+        first = int(real.int().argmax()) if bool(real.any()) else self.length
+        if first == 0:
+            return 0
+        length = self.length - first
+        valid = torch.zeros_like(self.valid)
+        valid[:, :length] = self.valid[:, first:self.length]
+
+        def moved(t):
+            out = torch.empty_like(t)
+            out[:, :, :length] = t[:, :, first:self.length]
+            return out
+        self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}
+        self.valid, self.length = valid, length
+        return first
 
     def append(self, other: KVCache) -> None:
         """Adds `other`'s rows after this cache's; both must hold the same
