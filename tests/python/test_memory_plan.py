@@ -43,6 +43,8 @@ MATRIX = {
                                            "uniform", "--recompute-num-layers", "1"],
     "tp2-dp2-int8": TP2 + ["--grad-compression", "int8"],
     "tp2-dp2-sgd-zero1": TP2 + ["--optimizer", "sgd", "--use-distributed-optimizer"],
+    "llama-tp2-dp2-muon-bf16-zero1": LLAMA + TP2 + ["--optimizer", "muon", "--bf16",
+                                                    "--use-distributed-optimizer"],
     "pp4-dynamic-bf16": ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "dynamic",
                          "--bf16"],
     "tp2-cp2-p2p-sp-zero1": TP2 + ["--context-parallel-size", "2", "--sequence-parallel",

@@ -178,9 +178,12 @@ def test_what_muon_cannot_run_with_is_refused():
     msgs = error_messages(_check(["--optimizer-impl", "fused"]),
                           _check(["--pipeline-model-parallel-size", "2",
                                   "--forward-backward-disaggregating"]),
-                          _check(["--muon-num-ns-steps", "0"]),
-                          lambda: estimate(build_parser().parse_args(FLAGS), 2))
+                          _check(["--muon-num-ns-steps", "0"]))
     assert "drop --optimizer-impl" in msgs[0]
     assert "--forward-backward-disaggregating" in msgs[1]
     assert "--muon-num-ns-steps" in msgs[2]
-    assert "does not model --optimizer muon" in msgs[3]
+    # the memory planner counts Muon's one momentum for the matrices, Adam's two for the rest
+    adam = estimate(build_parser().parse_args([f for f in FLAGS if f not in ("--optimizer",
+                                                                             "muon")]), 1)
+    muon = estimate(build_parser().parse_args(FLAGS), 1)
+    assert 0 < adam.optimizer - muon.optimizer < adam.optimizer / 2

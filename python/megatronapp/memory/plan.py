@@ -158,6 +158,9 @@ class _Shape:
     #: fp32 optimizer state bytes per parameter: AdamW's two moments (8), SGD's
     #: momentum buffer (4; none without momentum)
     state_bytes: int = 8
+    #: --optimizer muon: the linear layers' matrices keep one momentum (4 bytes),
+    #: the rest AdamW's two moments (state_bytes)
+    muon: bool = False
 
     @property
     def mla(self) -> bool:
@@ -199,10 +202,6 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
                          "its estimate would leave out the experts' weights and the dispatched "
                          "tokens; size MoE runs with megatronapp.scale_model.memory_per_gpu or "
                          "drop --memory-limit-gb / --recompute-granularity auto")
-    if f.get("optimizer") == "muon":
-        raise ValueError("the memory planner does not model --optimizer muon yet (a momentum "
-                         "buffer for the linear layers' matrices, AdamW's two moments for the "
-                         "rest); size the run with --optimizer adam, whose state is larger")
     tp, pp = f["tensor_model_parallel_size"], f["pipeline_model_parallel_size"]
     vpp = f.get("virtual_pipeline_model_parallel_size") or 1
     cp = f.get("context_parallel_size") or 1
@@ -234,6 +233,7 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
     block["mtp"] = f.get("mtp_num_layers") or 0
     if f.get("optimizer", "adam") == "sgd":
         block["state_bytes"] = 4 if f.get("sgd_momentum", 0.9) else 0
+    block["muon"] = f.get("optimizer") == "muon"
     if f.get("multi_latent_attention"):
         block.update(rq=f.get("q_lora_rank") or 0, rkv=f["kv_lora_rank"], dq=f["qk_head_dim"],
                      dr=f["qk_pos_emb_head_dim"], dv=f["v_head_dim"])
@@ -284,6 +284,36 @@ def _layer_params(x: _Shape) -> tuple[int, int]:
     if x.qk_norm:
         replicated += 2 * (d if x.rms else 2 * d)
     return sharded, replicated
+
+
+def _layer_vectors(x: _Shape) -> int:
+    """The 1-D parameter elements (norms, biases) of one layer on a rank;
+    the rest of :func:`_layer_params` are the linear layers' matrices."""
+    h, f, t, d = x.h, x.f, x.tp, x.d
+    norm = h if x.rms else 2 * h
+    out = 2 * norm + (2 * h if x.bias else 0)
+    if x.bias:
+        out += x.gate * f // t
+    if x.qkv_bias and not x.mla:
+        out += x.qkv // t if x.g % t == 0 else x.qkv
+    if x.qk_norm:
+        out += 2 * (d if x.rms else 2 * d)
+    if x.mla:
+        per = 1 if x.rms else 2
+        out += per * x.rkv + (per * x.rq if x.rq else 0)
+    return out
+
+
+def _muon_matrices(x: _Shape, vs: int) -> int:
+    """Elements of virtual stage vs that --optimizer muon orthogonalizes: the
+    layers' (and MTP depths') 2-D weights, not the embeddings or the output
+    layer (training/setup.py's split)."""
+    sh, rep = _layer_params(x)
+    per_layer = sh + rep - _layer_vectors(x)
+    n = per_layer * x.layers[vs]
+    if vs == x.pp * x.vpp - 1 and x.mtp:
+        n += (per_layer + 2 * x.h * x.h) * x.mtp
+    return n
 
 
 def _chunk_params(x: _Shape, vs: int) -> list[tuple[int, bool]]:
@@ -481,12 +511,17 @@ def _stage(x: _Shape, stage: int, data_bytes: int) -> Breakdown:
         lossy = sum(n for n, tp_sharded in groups if tp_sharded or x.tp == 1)
         shapes = torch.ops.mapp.codec_state_shapes(x.codec, lossy, x.dp * x.cp, [])
         comm = 4 * sum(int(v) for v in shapes)
+    # optimizer state per parameter, averaged: Muon keeps one momentum for its matrices
+    state = x.state_bytes
+    if x.muon and n_params:
+        muon = sum(_muon_matrices(x, vs) for vs in vss)
+        state = (4 * muon + x.state_bytes * (n_params - muon)) / n_params
     if x.zero:  # gradients are reduced (and ZeRO-1 shards) over dp x cp
         shard = -(-n_params // (x.dp * x.cp))
         grads = shard * x.dp * x.cp * x.grad + shard * 4  # padded buckets, the reduce-scatter shard
-        optimizer = shard * (4 + x.state_bytes)  # fp32 master + moments, this rank's part
+        optimizer = int(shard * (4 + state))  # fp32 master + moments, this rank's part
     else:
-        optimizer = n_params * (x.state_bytes + (4 if x.mixed else 0))
+        optimizer = int(n_params * (state + (4 if x.mixed else 0)))
     acts = [_chunk_activations(x, vs) for vs in vss]
     in_flight, units, ws = _schedule_peak(x, stage, acts)
     bd = Breakdown(stage=stage, parameters=params, gradients=grads, optimizer=optimizer,
