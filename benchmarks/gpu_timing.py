@@ -1,6 +1,21 @@
-"""CUDA-event timing shared by the GPU benchmark scripts."""
+"""CUDA-event timing and a one-rank NCCL world, shared by the GPU benchmark scripts."""
+
+import os
+import socket
+
+import torch.distributed as dist
 
 import torch
+
+
+def single_rank_nccl() -> None:
+    """A world of one NCCL rank on device 0 (the collectives' GPU paths with
+    no peer), on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
 
 
 def timed_ms(fn, iters=50, warmup=10):

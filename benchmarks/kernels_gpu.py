@@ -7,12 +7,10 @@ and (b) our whole loss forward+backward (world size 1) against
 F.cross_entropy forward+backward; prints milliseconds and the ratio.
 """
 
-import os
-import socket
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_timing import timed_ms
+from gpu_timing import single_rank_nccl, timed_ms
 
 import megatronapp as mapp
 import torch
@@ -22,10 +20,7 @@ from megatronapp.tensor_parallel import vocab_parallel_cross_entropy
 def main():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    single_rank_nccl()
     mapp.initialize_model_parallel()
     print(f"{'tokens':>8} {'vocab':>7} {'stats ms':>9} {'ours f+b ms':>12} {'torch f+b ms':>13} {'ratio':>6}")
     for tokens, vocab in [(8192, 50304), (16384, 32000), (4096, 128256)]:

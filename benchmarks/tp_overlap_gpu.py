@@ -11,12 +11,10 @@ overlap pays when the hidden communication exceeds this price. Llama-8B-like
 MLP shapes at TP8 (sequence 8192, hidden 4096, ffn 14336 / 8), bf16, forward
 + backward of the column and row linears; mean ms (gpu_timing.timed_ms)."""
 
-import os
-import socket
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_timing import timed_ms
+from gpu_timing import single_rank_nccl, timed_ms
 
 import megatronapp  # noqa: F401  (torch.ops.mapp)
 import torch
@@ -28,11 +26,7 @@ S, H, F_TP = 8192, 4096, 14336 // 8
 def main():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    single_rank_nccl()
     group = dist.group.WORLD
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     x = torch.randn(S, 1, H, **kw).requires_grad_()

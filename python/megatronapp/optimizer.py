@@ -146,6 +146,19 @@ class MixedPrecisionOptimizer:
         self.param_groups = self.optimizer.param_groups
         if hasattr(self.optimizer, "whole_matrices"):  # megatronapp.muon.Muon
             self._group_of = {p: self.optimizer.param_groups[i] for p, i in options.items()}
+            # per bucket holding Muon matrices (the same on every rank, in order):
+            # its matrices (param, offset, group) and this rank's pieces of each
+            self._muon_buckets = []
+            for b in self.buckets:
+                mats = [(p, off, self._group_of[p]) for p, off in
+                        zip(b.params, b.offsets, strict=True)
+                        if self._group_of.get(p, {}).get("muon")]
+                if mats:
+                    muon, mine = {p for p, _, _ in mats}, {}
+                    for pc in self._pieces:
+                        if pc.bucket is b and pc.param in muon:
+                            mine.setdefault(pc.param, []).append(pc)
+                    self._muon_buckets.append((b, mats, mine))
             self.optimizer.whole_matrices = self._whole_matrix_updates
 
     # ---- what this rank owns (DistributedOptimizer: its chunk) ----------------------
@@ -188,25 +201,19 @@ class MixedPrecisionOptimizer:
         group)``); each piece's rows of it returned."""
         u_of = {id(main): u for main, _, u in items}
         out = {}
-        for b in self.buckets:
-            muon = [(p, off) for p, off in zip(b.params, b.offsets, strict=True)
-                    if self._group_of.get(p, {}).get("muon")]
-            if not muon:
-                continue
-            mine = [pc for pc in self._pieces if pc.bucket is b and id(pc.main) in u_of]
+        for b, mats, mine in self._muon_buckets:
             buf = torch.zeros(self._bucket_span(b), dtype=torch.float32,
                               device=b.grad_data.device)
-            for pc in mine:
-                buf[pc.lo: pc.hi] = u_of[id(pc.main)]
+            for pcs in mine.values():
+                for pc in pcs:
+                    buf[pc.lo: pc.hi] = u_of[id(pc.main)]
             if self.sharded:
                 lo, hi = self._chunk_range(b)
                 buf = _collectives.all_gather(buf[lo:hi].contiguous(), 0, b.group)
-            for p, off in muon:
-                o = orthogonalize(p, buf[off: off + p.numel()].view(p.shape), self._group_of[p])
-                o = o.reshape(-1)
-                for pc in mine:
-                    if pc.param is p:
-                        out[id(pc.main)] = o[pc.param_lo: pc.param_lo + pc.hi - pc.lo]
+            for p, off, group in mats:
+                o = orthogonalize(p, buf[off: off + p.numel()].view(p.shape), group).reshape(-1)
+                for pc in mine.get(p, ()):
+                    out[id(pc.main)] = o[pc.param_lo: pc.param_lo + pc.hi - pc.lo]
         return [out[id(main)] for main, _, _ in items]
 
     # ---- the step -------------------------------------------------------------

@@ -126,19 +126,10 @@ class KVCache:
         capacity `capacity` (at least the filled columns)."""
         if self.new:
             raise RuntimeError("KV cache: pad_left() between step() and advance()")
-        length = self.length + columns
-        if capacity < length:
-            raise ValueError(f"KV cache: capacity {capacity} is below the {length} columns "
-                             "it would hold")
-        valid = torch.zeros(self.batch, capacity, dtype=torch.bool, device=self.valid.device)
-        valid[:, columns:length] = self.valid[:, :self.length]
-
-        def moved(t):  # (zeros in the new padding: masked, but 0 x NaN would be NaN)
-            out = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
-            out[:, :, columns:length] = t[:, :, :self.length]
-            return out
-        self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}
-        self.valid, self.length, self.capacity = valid, length, capacity
+        if capacity < self.length + columns:
+            raise ValueError(f"KV cache: capacity {capacity} is below the "
+                             f"{self.length + columns} columns it would hold")
+        self._move(0, columns, capacity)
 
     def trim_left(self) -> int:
         """Drops the leading columns that are padding in every row (left by
@@ -148,19 +139,24 @@ class KVCache:
             return 0
         real = self.valid[:, :self.length].any(0)
         first = int(real.int().argmax()) if bool(real.any()) else self.length
-        if first == 0:
-            return 0
-        length = self.length - first
-        valid = torch.zeros_like(self.valid)
-        valid[:, :length] = self.valid[:, first:self.length]
+        if first:
+            self._move(first, 0, self.capacity)
+        return first
+
+    def _move(self, src: int, dst: int, capacity: int) -> None:
+        """Moves the filled columns [src, length) to start at column `dst` of
+        new storage of `capacity` columns, zeros elsewhere (masked padding,
+        but 0 x NaN would be NaN)."""
+        n = self.length - src
+        valid = torch.zeros(self.batch, capacity, dtype=torch.bool, device=self.valid.device)
+        valid[:, dst:dst + n] = self.valid[:, src:self.length]
 
         def moved(t):
-            out = torch.empty_like(t)
-            out[:, :, :length] = t[:, :, first:self.length]
+            out = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
+            out[:, :, dst:dst + n] = t[:, :, src:self.length]
             return out
         self._kv = {key: (moved(k), moved(v)) for key, (k, v) in self._kv.items()}
-        self.valid, self.length = valid, length
-        return first
+        self.valid, self.length, self.capacity = valid, dst + n, capacity
 
     def append(self, other: KVCache) -> None:
         """Adds `other`'s rows after this cache's; both must hold the same

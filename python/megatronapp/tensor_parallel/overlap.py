@@ -83,24 +83,36 @@ def _wait(work) -> None:
 
 
 def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  group: dist.ProcessGroup, splits: int) -> torch.Tensor:
+                  group: dist.ProcessGroup, splits: int, *, keep: bool = False):
     """``F.linear(all_gather(x, dim 0), weight, bias)`` with the gather cut
-    into pieces, each piece's GEMM running while the next piece travels."""
+    into pieces, each piece's GEMM running while the next piece travels
+    (`splits` 1: one gather, then the GEMM). With `keep`, returns (output,
+    the gathered x in the unsplit row order) instead of the output."""
     x = x.contiguous()
     tp, rows = group.size(), x.shape[0]
     k = _pieces(rows, splits)
     c = rows // k
     flights = [_all_gather(x[j * c:(j + 1) * c], group) for j in range(k)]  # in order
-    y = None
+    y, pieces = None, []
     for j in range(k):
         g, work = flights[j]
         _wait(work)
-        flights[j] = None  # the piece is freed once its GEMM is done
+        flights[j] = None  # the piece is freed once its GEMM is done (unless kept)
         yj = F.linear(g, weight, bias)
-        if y is None:
-            y = yj.new_empty((tp, k, c, *yj.shape[1:]))
-        y[:, j] = yj.view(tp, c, *yj.shape[1:])
-    return y.view(tp * rows, *y.shape[3:])
+        if k == 1:  # the gather's rank order is the output's
+            y = yj
+        else:
+            if y is None:
+                y = yj.new_empty((tp, k, c, *yj.shape[1:]))
+            y[:, j] = yj.view(tp, c, *yj.shape[1:])
+        if keep:
+            pieces.append(g.view(tp, c, *g.shape[1:]))
+    if k > 1:
+        y = y.view(tp * rows, *y.shape[3:])
+    if not keep:
+        return y
+    full = pieces[0] if k == 1 else torch.stack(pieces, dim=1)
+    return y, full.reshape(tp * rows, *x.shape[1:])
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup,
@@ -133,11 +145,7 @@ class _ColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, ov):
         ctx.group, ctx.ov, ctx.has_bias = group, ov, bias is not None
         ctx.save_for_backward(x, weight)
-        if ov.ag:
-            return gather_linear(x, weight, bias, group, ov.splits)
-        g, work = _all_gather(x.contiguous(), group)
-        _wait(work)
-        return F.linear(g, weight, bias)
+        return gather_linear(x, weight, bias, group, ov.splits if ov.ag else 1)
 
     @staticmethod
     def backward(ctx, dy):
@@ -175,40 +183,22 @@ class _RowLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group, ov):
         ctx.group, ctx.ov, ctx.has_bias = group, ov, False
         ctx.save_for_backward(x, weight)
-        if ov.rs:
-            return linear_reduce_scatter(x, weight, group, ov.splits)
-        partial = F.linear(x, weight).contiguous()
-        out = partial.new_empty((partial.shape[0] // group.size(), *partial.shape[1:]))
-        _wait(_reduce_scatter_into(out, partial, group))
-        return out
+        return linear_reduce_scatter(x, weight, group, ov.splits if ov.rs else 1)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         group, ov = ctx.group, ctx.ov
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy = dy.contiguous()
-        tp, rows = group.size(), dy.shape[0]
-        k = _pieces(rows, ov.splits) if ov.ag and need_x else 1
-        c = rows // k
-        flights = [_all_gather(dy[j * c:(j + 1) * c], group) for j in range(k)]
-        dx = None
-        pieces = []
-        for j in range(k):
-            g, work = flights[j]
+        dx = dw = None
+        if need_x:  # the input gradient's GEMM behind the gather of dy's pieces
+            out = gather_linear(dy, weight.t(), None, group, ov.splits if ov.ag else 1,
+                                keep=need_w)
+            dx, full = out if need_w else (out, None)
+        else:
+            full, work = _all_gather(dy.contiguous(), group)
             _wait(work)
-            pieces.append(g.view(tp, c, *g.shape[1:]))
-            if need_x:
-                dxj = g.matmul(weight)
-                if dx is None:
-                    dx = dxj.new_empty((tp, k, c, *dxj.shape[1:]))
-                dx[:, j] = dxj.view(tp, c, *dxj.shape[1:])
-        if dx is not None:
-            dx = dx.view(tp * rows, *dx.shape[3:])
-        dw = None
         if need_w:  # one GEMM over the gathered gradient, in the unsplit row order
-            full = pieces[0] if k == 1 else torch.stack(pieces, dim=1)
-            full = full.reshape(tp * rows, *dy.shape[1:])
             dw, _ = weight_and_bias_grads(ctx, full, lambda: x, weight)
         return dx, dw, None, None
 
