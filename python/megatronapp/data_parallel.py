@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-import zlib
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -57,7 +56,7 @@ import torch.distributed as dist
 import torch
 from torch import nn
 
-from . import _collectives, autograd
+from . import _C, _collectives, autograd
 from . import trace as _trace
 from .comm import codec_state, parse_compression
 from .parallel_state import ParallelState, get_parallel_state
@@ -182,7 +181,7 @@ class DistributedDataParallel(nn.Module):
         desc = repr([("expert" if getattr(p, "expert_parallel", False) else n, tuple(p.shape),
                       str(p.dtype), p.requires_grad)
                      for n, p in self.module.named_parameters()])
-        mine = torch.tensor([zlib.crc32(desc.encode())], dtype=torch.int64)
+        mine = torch.tensor([_C.crc32(desc.encode())], dtype=torch.int64)
         if self.world == 1:
             return
         device = next(self.module.parameters()).device

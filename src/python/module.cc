@@ -17,6 +17,7 @@
 #include "mapp/topology/rank_grid.h"
 #include "mapp/trace/tracer.h"
 #include "mapp/torch/backend.h"
+#include "mapp/torch/checkpoint_engine.h"
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/ops.h"
@@ -460,6 +461,70 @@ void register_backend(py::module_& m) {
   });
 }
 
+// The checkpoint file engine (checkpoint_engine.h): megatronapp.checkpoint's
+// format and stream modules are thin wrappers over these.
+void register_checkpoint(py::module_& m) {
+  using Range = std::optional<std::pair<std::int64_t, std::int64_t>>;
+  m.attr("checkpoint_format") = mapp::kCheckpointFormat;
+  m.def("crc32", [](const py::bytes& data, std::uint32_t crc) {
+    const std::string_view v = data;
+    return mapp::crc32(v.data(), v.size(), crc);
+  }, py::arg("data"), py::arg("crc") = 0);
+  m.def("checkpoint_write_safetensors", &mapp::write_safetensors, py::arg("path"),
+        py::arg("tensors"), py::arg("metadata"), py::call_guard<py::gil_scoped_release>());
+  m.def("checkpoint_name", &mapp::checkpoint_name, py::arg("iteration"));
+  m.def("checkpoint_begin", &mapp::begin_checkpoint, py::arg("directory"), py::arg("name"));
+  m.def("checkpoint_write_rank_files", &mapp::write_rank_files, py::arg("tmp"), py::arg("rank"),
+        py::arg("tensors"), py::arg("pieces_json"), py::arg("ddp_json"), py::arg("metadata"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("checkpoint_commit", &mapp::commit_checkpoint, py::arg("directory"), py::arg("name"),
+        py::arg("meta_json"), py::arg("world"), py::call_guard<py::gil_scoped_release>());
+  m.def("checkpoint_latest", &mapp::latest_checkpoint, py::arg("directory"));
+  m.def("checkpoint_read_metadata", &mapp::read_checkpoint_metadata, py::arg("directory_or_path"));
+  static const std::map<at::ScalarType, const char*> codes = {
+      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"},
+      {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"}, {at::kChar, "I8"},
+      {at::kByte, "U8"},    {at::kBool, "BOOL"}};
+  py::class_<mapp::TensorFile>(m, "CheckpointTensorFile")
+      .def(py::init<std::string>(), py::arg("path"))
+      .def_property_readonly("path", &mapp::TensorFile::path)
+      .def_property_readonly("metadata", &mapp::TensorFile::metadata)
+      .def("keys", &mapp::TensorFile::keys)
+      .def("entry", [](const mapp::TensorFile& f, const std::string& key) {
+        const auto& e = f.entry(key);
+        return py::make_tuple(codes.at(e.dtype), e.shape, e.offset, e.nbytes);
+      }, py::arg("key"))
+      .def("tensor", &mapp::TensorFile::tensor, py::arg("key"), py::arg("verify") = true,
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<mapp::CheckpointLoader>(m, "CheckpointLoader")
+      .def(py::init([](std::string path, const std::string& meta, bool verify,
+                       std::int64_t budget, int threads) {
+        return std::make_unique<mapp::CheckpointLoader>(
+            std::move(path), meta, mapp::LoaderOptions{verify, budget, threads});
+      }), py::arg("path"), py::arg("metadata_json"), py::arg("verify") = true,
+           py::arg("budget") = 64LL << 20, py::arg("threads") = 0)
+      .def("has", &mapp::CheckpointLoader::has, py::arg("name"), py::arg("kind"))
+      .def("kinds", &mapp::CheckpointLoader::kinds, py::arg("name"))
+      .def("scalar", &mapp::CheckpointLoader::scalar, py::arg("name"), py::arg("kind"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("into", [](mapp::CheckpointLoader& ld, const std::string& name,
+                      const std::string& kind, const at::Tensor& dest,
+                      const std::optional<std::vector<std::int64_t>>& tp,
+                      const std::vector<std::int64_t>& shape, const Range& flat) {
+        std::optional<mapp::TpSlice> sl;
+        if (tp) {
+          MAPP_CHECK(tp->size() == 3, "tp_slice is (dim, start, end), got ", tp->size(), " numbers");
+          sl = mapp::TpSlice{(*tp)[0], (*tp)[1], (*tp)[2]};
+        }
+        ld.into(name, kind, dest, sl, shape, flat);
+      }, py::arg("name"), py::arg("kind"), py::arg("dest"), py::arg("tp_slice"),
+           py::arg("global_shape"), py::arg("flat") = py::none())
+      .def("wait", &mapp::CheckpointLoader::wait, py::call_guard<py::gil_scoped_release>())
+      .def("done", &mapp::CheckpointLoader::done)
+      .def_property("budget", &mapp::CheckpointLoader::budget, &mapp::CheckpointLoader::set_budget)
+      .def_property_readonly("verify", &mapp::CheckpointLoader::verify);
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "MegatronApp native core (topology, tunables, logging); tensor ops are "
             "torch.ops.mapp.*";
@@ -470,4 +535,5 @@ PYBIND11_MODULE(_C, m) {
   register_trace(m);
   register_data(m);
   register_backend(m);
+  register_checkpoint(m);
 }

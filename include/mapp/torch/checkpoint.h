@@ -7,6 +7,9 @@
 //                         {.adamw = &adamw, .config_json = R"({"hidden_size": 256})"});
 //   auto info = mapp::load_checkpoint("ckpt", chunks, st, {.adamw = &adamw});  // nullopt: none
 //
+// The files themselves are the file engine's (checkpoint_engine.h); this
+// collects what a C++ model and optimizer hold and where it loads.
+//
 // Layout of <dir>/iter_0000100/: rank<R>.safetensors (safetensors, with a
 // CRC-32 per tensor in the header metadata) holding what rank R owns — its
 // tensor-parallel shards of the model (data-parallel rank 0; replicated
@@ -31,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "mapp/torch/checkpoint_engine.h"
 #include "mapp/torch/ddp.h"
 #include "mapp/torch/dist.h"
 
@@ -78,13 +82,5 @@ std::optional<CheckpointInfo> load_checkpoint(const std::string& dir_or_path,
                                               const std::vector<CheckpointChunk>& chunks,
                                               const dist::ParallelState& state,
                                               const CheckpointOptions& options);
-
-// Safetensors files with a CRC-32 per tensor (megatronapp.checkpoint.format).
-// write returns the bytes written (the file is fsynced); read verifies the
-// checksums and throws ValueError naming the file (and tensor) otherwise.
-std::int64_t write_safetensors(const std::string& path,
-                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                               const std::vector<std::pair<std::string, std::string>>& metadata);
-std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path);
 
 }  // namespace mapp

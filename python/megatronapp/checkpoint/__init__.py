@@ -22,12 +22,17 @@ temporary name, fsync, rename). A crash at any point leaves ``latest`` naming
 a complete checkpoint (or no ``latest`` at all).
 
 Loading reads, for each of this rank's tensors, the byte ranges of the stored
-pieces that overlap its slice, straight into the tensor (``stream.py``:
-positioned reads on a thread pool, CRC-32 per stored piece, checked shapes and
-coverage, never a global tensor in memory), so a checkpoint saved at one (tp,
-pp, dp, ZeRO or not) loads into another, whatever the size of its tensors.
-RNG states and codec error feedback are per rank and are restored only under
-the same layout (elsewhere they restart, with a warning).
+pieces that overlap its slice, straight into the tensor (positioned reads on a
+thread pool, CRC-32 per stored piece, checked shapes and coverage, never a
+global tensor in memory), so a checkpoint saved at one (tp, pp, dp, ZeRO or
+not) loads into another, whatever the size of its tensors. RNG states and
+codec error feedback are per rank and are restored only under the same layout
+(elsewhere they restart, with a warning).
+
+Everything that touches the files (the tensor files, the commit, the streamed
+reads) is the C++ file engine's (``include/mapp/torch/checkpoint_engine.h``),
+which the C++ trainers' checkpoints use too; this module only collects what
+this rank saves and where each tensor loads.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 
 import torch.distributed as dist
@@ -47,13 +51,13 @@ from ..data_parallel import DistributedDataParallel
 from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
 from ..tensor_parallel.utils import partition_view, split_over
-from .format import CheckpointError, fsync_dir, read, write
+from .format import CheckpointError, engine_errors, read
 from .stream import DEFAULT_BUDGET, StreamLoader, TensorFile
 
 __all__ = ["save", "load", "latest", "wait_pending", "AsyncSave", "AsyncLoad", "CheckpointError",
            "global_named_parameters", "tensor_parallel_slice", "read_metadata"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = _C.checkpoint_format
 
 
 # ---- names and slices --------------------------------------------------------------
@@ -198,13 +202,12 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     _finish_param_sync(chunks)
     rank = dist.get_rank()
-    name = f"iter_{iteration:07d}"
+    name = _C.checkpoint_name(iteration)
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".tmp.{name}")
     if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        with engine_errors():
+            _C.checkpoint_begin(directory, name)
     dist.barrier()
     t0 = time.perf_counter()
     params = _params(chunks)
@@ -320,101 +323,44 @@ class _CommitJob:
 
     def run(self) -> None:
         directory, name, tmp, rank = self.directory, self.name, self.tmp, self.rank
-        iteration, state, index = self.iteration, self.state, self.index
-        nbytes = write(os.path.join(tmp, self.fname), self.tensors,
-                       {"rank": rank, "iteration": iteration})
+        with engine_errors():
+            _C.checkpoint_write_rank_files(
+                tmp, rank, list(self.tensors.items()), json.dumps(self.index),
+                json.dumps(self.ddp_meta), [("rank", str(rank)), ("iteration", str(self.iteration))])
         self.tensors = None
-        with open(os.path.join(tmp, f"index.rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "pieces": index, "ddp": self.ddp_meta, "bytes": nbytes}, f)
-            f.flush()
-            os.fsync(f.fileno())
         self.sync.arrive("written")
         if rank == 0:
             self.sync.wait_all("written")
-            self._commit(directory, name, tmp, state)
+            self._commit(directory, name)
         self.sync.arrive("committed")
         self.sync.wait_all("committed")
 
-    def _commit(self, directory, name, tmp, state) -> None:
-        iteration, config, extra = self.iteration, self.config, self.extra
-        final = self.final
-        world = dist.get_world_size()
-        pieces, ddp = [], {}
-        for r in range(world):
-            with open(os.path.join(tmp, f"index.rank{r}.json")) as f:
-                idx = json.load(f)
-            pieces += idx["pieces"]
-            ddp[str(r)] = idx["ddp"]
-        meta = {"format": FORMAT_VERSION, "iteration": iteration, "config": config or {},
-                "extra": extra or {},
-                "parallel": {"world": world, "tp": state.tp_size, "pp": state.pp_size,
-                             "dp": state.dp_size, "ep": state.ep_size, "cp": state.cp_size,
-                             "etp": state.etp_size, "vpp": self.nchunks},
-                "pieces": pieces, "ddp": ddp}
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        # Never replace a committed directory (`latest` may name it): a second
-        # save of the same iteration gets a suffix.
-        n = 0
-        while os.path.exists(final):
-            n += 1
-            final = os.path.join(directory, f"{name}.{n}")
-        os.rename(tmp, final)
-        fsync_dir(directory)
-        pointer = os.path.join(directory, ".latest.tmp")
-        with open(pointer, "w") as f:
-            f.write(os.path.basename(final) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, os.path.join(directory, "latest"))
-        fsync_dir(directory)
-        self.final = final
-        _C.log("info", f"saved checkpoint {final} ({time.perf_counter() - self.t0:.2f}s)")
+    def _commit(self, directory, name) -> None:
+        state = self.state
+        meta = {"format": FORMAT_VERSION, "iteration": self.iteration,
+                "config": self.config or {}, "extra": self.extra or {},
+                "parallel": {"world": dist.get_world_size(), "tp": state.tp_size,
+                             "pp": state.pp_size, "dp": state.dp_size, "ep": state.ep_size,
+                             "cp": state.cp_size, "etp": state.etp_size, "vpp": self.nchunks}}
+        with engine_errors():  # + every rank's pieces; metadata.json, rename, `latest`
+            self.final = _C.checkpoint_commit(directory, name, json.dumps(meta),
+                                              dist.get_world_size())
+        _C.log("info", f"saved checkpoint {self.final} ({time.perf_counter() - self.t0:.2f}s)")
 
 
 # ---- load ---------------------------------------------------------------------------------
 def latest(directory: str) -> str | None:
     """The checkpoint `directory/latest` names (None if there is none)."""
-    ptr = os.path.join(directory, "latest")
-    if not os.path.exists(ptr):
-        return None
-    with open(ptr) as f:
-        name = f.read().strip()
-    if not re.fullmatch(r"iter_\d{7}(\.\d+)?", name):
-        raise CheckpointError(f"{ptr}: does not name a checkpoint ('{name[:40]}')")
-    path = os.path.join(directory, name)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{ptr} names {name}, which has no metadata.json")
-    return path
+    with engine_errors():
+        return _C.checkpoint_latest(directory)
 
 
 def read_metadata(directory_or_path: str) -> tuple[str, dict] | None:
     """(path, metadata) of a checkpoint (a directory's latest, or an iter_*
     path), None when the directory has none; CheckpointError if corrupt."""
-    path = directory_or_path
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        path = latest(directory_or_path)
-        if path is None:
-            return None
-    return path, _read_meta(path)
-
-
-def _read_meta(path: str) -> dict:
-    mpath = os.path.join(path, "metadata.json")
-    try:
-        with open(mpath) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable checkpoint metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{mpath}: not a megatronapp checkpoint of format {FORMAT_VERSION}")
-    for k in ("iteration", "parallel", "pieces"):
-        if k not in meta:
-            raise CheckpointError(f"{mpath}: missing '{k}'")
-    return meta
+    with engine_errors():
+        found = _C.checkpoint_read_metadata(directory_or_path)
+    return None if found is None else (found[0], json.loads(found[1]))
 
 
 @torch.no_grad()
@@ -516,7 +462,7 @@ class AsyncLoad:
         self.result = None
 
     def done(self) -> bool:
-        return self.result is not None or all(f.done() for f in self.loader.futures)
+        return self.result is not None or self.loader.done()
 
     def wait(self) -> dict:
         """Blocks until every read and check is done; returns load()'s dict."""
@@ -558,8 +504,5 @@ def _restore_rank_state(path, meta, chunks, state) -> dict:
 
 def _rank_keys(path, rank) -> list:
     """The per-rank keys (rank/...) of a rank file: only those are read."""
-    f = TensorFile(os.path.join(path, f"rank{rank}.safetensors"))
-    try:
-        return [k for k in f.entries if k.startswith("rank/")]
-    finally:
-        f.close()
+    return [k for k in TensorFile(os.path.join(path, f"rank{rank}.safetensors")).entries
+            if k.startswith("rank/")]

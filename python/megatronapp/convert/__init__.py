@@ -18,7 +18,7 @@ place; any other layout reshards on load.
 
 Streamed: ``import-hf`` builds one output file at a time (a rank's shards, in
 files of at most about 2 GiB) from slices of the Hugging Face tensors
-(``safe_open(...).get_slice``): peak memory is one such file plus one
+(positioned reads of the checkpoint file engine): peak memory is one such file plus one
 tensor. ``export-hf`` assembles one layer at a time from the stored pieces
 (the checkpoint loader's positioned reads) and writes Hugging Face shards of
 at most ``--max-shard-size-gb``. Import then export gives
@@ -47,11 +47,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import torch
 
-from ..checkpoint.format import CheckpointError, fsync_dir, write
+from .. import _C
+from ..checkpoint.format import CheckpointError, engine_errors, write
+from ..checkpoint.stream import StreamLoader, TensorFile
 
 __all__ = ["import_hf", "export_hf", "ConversionError", "FAMILIES", "config_from_hf",
            "hf_config_from"]
@@ -485,12 +486,13 @@ class _Layout:
 
 # ---- Hugging Face files -----------------------------------------------------------------------
 class _HFFiles:
-    """The safetensors files of a Hugging Face directory, opened lazily."""
+    """The safetensors files of a Hugging Face directory, opened lazily and
+    read through the checkpoint file engine: a slice of a tensor reads only
+    its bytes (a row range is one positioned read; a column range, strided
+    reads of at most 64 MiB)."""
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
-        self.dir, self._open, self.handles = directory, safe_open, {}
+        self.dir, self.entries = directory, {}
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.exists(index):
@@ -502,8 +504,7 @@ class _HFFiles:
                 raise ConversionError(f"{directory}: shard(s) {', '.join(missing)} named by "
                                       "model.safetensors.index.json are missing")
         elif os.path.exists(single):
-            with safe_open(single, framework="pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
+            self.where = {k: "model.safetensors" for k in self._file("model.safetensors")}
         elif any(n.endswith(".bin") for n in os.listdir(directory)):
             raise ConversionError(f"{directory}: only safetensors checkpoints are supported "
                                   "(re-save with save_pretrained(..., safe_serialization=True))")
@@ -511,19 +512,55 @@ class _HFFiles:
             raise ConversionError(f"{directory}: no model.safetensors or "
                                   "model.safetensors.index.json")
 
-    def slice(self, name: str):
+    def _file(self, fname: str) -> dict:
+        if fname not in self.entries:
+            self.entries[fname] = TensorFile(os.path.join(self.dir, fname)).entries
+        return self.entries[fname]
+
+    def slice(self, name: str) -> _HFTensor:
         if name not in self.where:
             raise ConversionError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         fname = self.where[name]
-        if fname not in self.handles:
-            self.handles[fname] = self._open(os.path.join(self.dir, fname), framework="pt")
-        return self.handles[fname].get_slice(name)
+        entries = self._file(fname)
+        if name not in entries:
+            raise ConversionError(f"{self.dir}/{fname}: no tensor {name!r} (the index names it)")
+        dtype, shape = entries[name][:2]
+        return _HFTensor(self.dir, fname, name, dtype, shape)
 
     def shape(self, name: str) -> list:
-        return list(self.slice(name).get_shape())
+        return self.slice(name).get_shape()
 
     def close(self):
-        self.handles.clear()
+        self.entries.clear()
+
+
+class _HFTensor:
+    """One tensor of a Hugging Face file; indexing with slices (a range of
+    at most one dimension) reads only that part."""
+
+    def __init__(self, directory, fname, name, dtype, shape):
+        self.dir, self.fname, self.name, self.dtype, self.shape = (directory, fname, name, dtype,
+                                                                   list(shape))
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        part, out = None, list(self.shape)
+        for dim, s in enumerate(index):
+            lo, hi, step = s.indices(self.shape[dim])
+            if (lo, hi) != (0, self.shape[dim]):
+                if part is not None or step != 1:
+                    raise ConversionError(f"{self.name}: one contiguous range per read")
+                part, out[dim] = [dim, lo, hi], hi - lo
+        dest = torch.empty(out, dtype=self.dtype)
+        ld = StreamLoader(self.dir, {"pieces": [
+            {"name": self.name, "kind": "hf", "global_shape": self.shape, "tp_slice": None,
+             "flat": None, "file": self.fname, "key": self.name}]}, threads=1)
+        ld.into(self.name, "hf", dest, part, self.shape)
+        ld.wait()
+        return dest
 
 
 def _read_part(hf: _HFFiles, lay: _Layout, name: str, sources: list, dim, lo: int, hi: int):
@@ -622,13 +659,12 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
         for t in ranks:
             for e in eps:
                 files.setdefault((stage, e, t), []).append((name, srcs, view, dim, split, t))
-    name = "iter_0000000"
-    tmp, final = os.path.join(output, f".tmp.{name}"), os.path.join(output, name)
-    os.makedirs(output, exist_ok=True)
+    name = _C.checkpoint_name(0)
+    final = os.path.join(output, name)
     if os.path.exists(final):
         raise ConversionError(f"{final} exists: choose an empty --output directory")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    with engine_errors():
+        tmp = _C.checkpoint_begin(output, name)
     pieces = []
     for i, key in enumerate(sorted(files)):
         out, nbytes, part = {}, 0, 0
@@ -674,20 +710,8 @@ def import_hf(hf_dir: str, output: str, *, tensor_model_parallel_size: int = 1,
                          "vpp": 1,
                          "source": "import-hf"},
             "pieces": pieces, "ddp": {}}
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    pointer = os.path.join(output, ".latest.tmp")
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, os.path.join(output, "latest"))
-    fsync_dir(output)
-    return final
+    with engine_errors():  # metadata.json, the rename, `latest`
+        return _C.checkpoint_commit(output, name, json.dumps(meta), 0)
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -710,7 +734,6 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
     path) as a Hugging Face model directory `output` (config.json,
     safetensors shards and their index); returns `output`."""
     from ..checkpoint import read_metadata
-    from ..checkpoint.stream import StreamLoader
 
     if dtype not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
@@ -758,9 +781,7 @@ def export_hf(load: str, output: str, *, dtype: str = "auto",
             return
         nshard += 1
         fname = f"model-{nshard:05d}.safetensors"
-        from safetensors.torch import save_file
-
-        save_file(shard, os.path.join(output, fname), metadata={"format": "pt"})
+        write(os.path.join(output, fname), shard, {"format": "pt"})
         for k in shard:
             index[k] = fname
         written.append(fname)

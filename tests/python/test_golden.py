@@ -1,0 +1,46 @@
+"""Golden runs (issue 44): today's training reproduced bit for bit.
+
+tests/python/data/golden_runs.json holds, for every configuration of
+``golden.CONFIGS`` (TP2 x DP2, SP, int8 + ZeRO-1, PowerSGD, 1-bit with the
+overlapped parameter gather, bf16 and fp16 with the loss scaler, MoE, CP,
+every pipeline schedule, recompute, MegaFBD and the C++ trainer), each step's
+loss and gradient norm as exact floats and every rank's CRC-32 of its
+parameters and optimizer state after the last step. Moving an engine
+algorithm from one implementation to another must reproduce them with
+``==``. A change meant to alter numerics re-records them
+(``python tests/python/golden.py``) and says so in its commit.
+"""
+
+import pytest
+
+import golden
+
+RECORD = golden.load()
+
+
+def test_the_records_are_of_this_torch():
+    import torch
+
+    assert RECORD["torch"] == torch.__version__, (
+        f"golden runs recorded with torch {RECORD['torch']}, running {torch.__version__}: "
+        "install the pinned torch (make build) or re-record on the commit before your change")
+
+
+def test_the_cpu_kernels_are_the_recorded_ones():
+    import os
+
+    assert {k: os.environ.get(k) for k in golden.CPU_NUMERICS} == RECORD["cpu_numerics"], (
+        "the golden runs need conftest's pinned CPU kernels (golden.CPU_NUMERICS)")
+
+
+def test_every_configuration_has_a_record():
+    assert set(RECORD["runs"]) == set(golden.CONFIGS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(golden.CONFIGS))
+def test_golden_run_is_reproduced_exactly(tmp_path, name):
+    got, want = golden.run(name, str(tmp_path / name)), RECORD["runs"][name]
+    for key in want:
+        assert got[key] == want[key], (
+            f"{name}: {key} differs from the golden run\n  got  {got[key]}\n  want {want[key]}")
