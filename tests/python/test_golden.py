@@ -11,9 +11,8 @@ algorithm from one implementation to another must reproduce them with
 (``python tests/python/golden.py``) and says so in its commit.
 """
 
-import pytest
-
 import golden
+import pytest
 
 RECORD = golden.load()
 
