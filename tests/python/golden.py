@@ -83,10 +83,13 @@ CONFIGS = {
 
 
 #: the CPU kernels every golden run uses, whatever the machine: ATen's AVX2
-#: kernels, MKL's AVX2 code branch (conditional numerical reproducibility),
+#: kernels, MKL's AVX2 code branch in strict mode (conditional numerical
+#: reproducibility; strict also keeps a GEMM split into row pieces bit-identical
+#: to the whole, which the TP-overlap tests need),
 #: oneDNN capped at AVX2. Without them a machine with AVX-512 or AMX computes
 #: other roundings (measured: every configuration differs).
-CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT",
+                "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def pin_cpu_numerics() -> None:
