@@ -43,8 +43,8 @@ def _memory(rank, world, port, seqs, out):
     import torch.distributed as dist
 
     import torch
-    from megatronapp.context_parallel import zigzag_split
     from megatronapp.models import GPTConfig, GPTModel
+    from megatronapp.models.context_parallel import zigzag_split
     from megatronapp.parallel_state import create_parallel_state
 
     torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def _speed(rank, world, port, flags, seq, iters, out, d):
     # cp dK/dV exchanges) per layer and microbatch.
     alone = 0.0
     if "p2p" in flags:
-        from megatronapp.context_parallel import _exchange
+        from megatronapp.models.context_parallel import _exchange
         from megatronapp.parallel_state import create_parallel_state
 
         st = create_parallel_state(context_parallel_size=world)

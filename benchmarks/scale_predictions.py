@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "python"))
 
-from megatronapp import scale_model as sm  # noqa: E402
+from megatronapp.tools import scale_model as sm  # noqa: E402
 
 INT8_BYTES = 1.0 + 4 / 256  # int8 codec, block 256 (fp32 scale per block)
 ONEBIT_BYTES = 1 / 8 + 4 / 256  # onebit codec, block 256 (sign bits + fp32 scale)

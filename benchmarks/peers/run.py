@@ -69,7 +69,7 @@ STACK_NAMES = {"ours": "ours", "torch": "PyTorch", "deepspeed": "DeepSpeed",
 ENV_FLAG = "--env="
 # The c10d backend the launch's world is created on (not a trainer flag): "gloo"
 # (default) or "mapp", megatronapp's shared-memory backend, which any stack can
-# use (megatronapp.distributed_backend): the same transport for every stack.
+# use (megatronapp.distributed.backend): the same transport for every stack.
 BACKEND_FLAG = "--backend="
 MAPP = BACKEND_FLAG + "mapp"
 TP2 = ["--tensor-model-parallel-size", "2"]

@@ -27,15 +27,15 @@ if __torch_version__ is not None and \
 
 from . import (  # noqa: E402,I001
     _C,
-    comm,
-    data_parallel,
-    distributed_backend,
+    distributed,
     memory,
     models,
     moe,  # registers the MoE layer with the GPT model (GPTConfig(num_experts=...))
     optimizer,
     parallel_state,
+    resilience,
     tensor_parallel,
+    tools,
     training,  # noqa: E402
 )
 from ._C import RankGrid
@@ -47,7 +47,7 @@ from .parallel_state import (
     model_parallel_is_initialized,
 )
 
-distributed_backend.register()  # torch.distributed.init_process_group("mapp")
+distributed.backend.register()  # torch.distributed.init_process_group("mapp")
 
 try:  # written by setuptools-scm at build time from the git tag (vX.Y.Z)
     from ._version import version as __version__
@@ -67,14 +67,25 @@ __all__ = [
     "destroy_model_parallel",
     "get_parallel_state",
     "initialize_model_parallel",
-    "memory",
     "model_parallel_is_initialized",
-    "comm",
-    "data_parallel",
+    "distributed",
     "memory",
     "models",
+    "moe",
     "optimizer",
     "parallel_state",
+    "resilience",
     "tensor_parallel",
-    "training", "moe",
+    "tools",
+    "training",
 ]
+
+
+def __getattr__(name: str):
+    """megatronapp.<old module> (moved in the 2026-12 regroup): the new one, with a
+    DeprecationWarning (see megatronapp._moved)."""
+    from . import _moved
+
+    if f"{__name__}.{name}" in _moved.MOVED:
+        return _moved.alias(f"{__name__}.{name}", stacklevel=3)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

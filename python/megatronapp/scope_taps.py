@@ -1,9 +1,5 @@
-"""The one global the model's tap points read: the active scope, or None.
+"""Deprecated: moved to :mod:`megatronapp.models.scope_taps` (megatronapp._moved)."""
 
-Kept in its own module with no imports so that ``megatronapp.models`` can
-read it without importing the scope (which imports the models). With no
-active scope each tap point is one attribute load and a comparison.
-"""
+from ._moved import alias as _alias
 
-#: The :class:`megatronapp.scope.Scope` capturing the current forward, or None.
-ACTIVE = None
+_alias(__name__, stacklevel=3)

@@ -33,7 +33,7 @@ const std::vector<Tunable>& tunables() {
       {"MAPP_SHM_P2P_SLOTS", "4",
        "slots per ring of the shared-memory pipeline send/recv transport; the pipeline "
        "sends a message through shared memory only when slots x slot bytes hold it whole"},
-      // Fault injection (python/megatronapp/faults.py parses the values).
+      // Fault injection (python/megatronapp/resilience/faults.py parses the values).
       {"MAPP_INJECT_SLOWDOWN", "",
        "fault injection: 'rank=R[+R...],factor=F[,phase=forward|backward|all][,start=K]' makes rank "
        "R's (each named rank's) transformer layers F times slower (from iteration K on)"},

@@ -442,7 +442,7 @@ void register_data(py::module_& m) {
       "(dataset of each sample: int16, its sample number in that dataset: int64)");
 }
 
-// The "mapp" torch.distributed backend (megatronapp.distributed_backend
+// The "mapp" torch.distributed backend (megatronapp.distributed.backend
 // registers its creator with torch.distributed.Backend.register_backend).
 void register_backend(py::module_& m) {
   m.def(

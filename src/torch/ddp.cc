@@ -1,5 +1,5 @@
 // mapp::DistributedDataParallel and mapp::DistributedOptimizer
-// (include/mapp/torch/ddp.h): the Python data_parallel.py / optimizer.py
+// (include/mapp/torch/ddp.h): the Python distributed/data_parallel.py / optimizer/optimizer.py
 // mechanisms, bucket for bucket.
 #include "mapp/torch/ddp.h"
 
@@ -89,7 +89,7 @@ void add_embedding_sums(const Pairs& pairs, const dist::ParallelState& st) {
 // The global L2 norm (tensor-parallel shards counted on every tensor rank,
 // replicated parameters on tensor rank 0; float64 sum of squared per-tensor
 // norms over `groups`), then clipping to max_norm (0: none). Returns the norm
-// before clipping. As megatronapp.gradients.clip_grad_norm_.
+// before clipping. As megatronapp.optimizer.clip_grads.clip_grad_norm_.
 double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
                            const std::vector<std::string>& groups, double max_norm) {
   std::vector<at::Tensor> counted, all;

@@ -1,5 +1,5 @@
 // MAPP_INJECT_SLOWDOWN for C++ trainers (include/mapp/torch/faults.h), as
-// python/megatronapp/faults.py parses it.
+// python/megatronapp/resilience/faults.py parses it.
 #include "mapp/torch/faults.h"
 
 #include <atomic>

@@ -159,8 +159,9 @@ def _teardown() -> bool:
     import torch.distributed as dist
 
     import megatronapp
-    from megatronapp import memory, scope_taps, trace
+    from megatronapp import memory, trace
     from megatronapp import parallel_state as S
+    from megatronapp.models import scope_taps
 
     reusable = True
     try:

@@ -14,7 +14,7 @@ def _works(rank, world):
     import torch.distributed as dist
 
     import torch
-    from megatronapp import comm
+    from megatronapp.distributed import comm
 
     group = dist.group.WORLD
     x = torch.arange(8, dtype=torch.float32) * (rank + 1)
@@ -57,7 +57,7 @@ def test_comm_work_wait_timeout_and_errors():
 
 
 def test_codec_state_op():
-    from megatronapp import comm
+    from megatronapp.distributed import comm
 
     st = comm.codec_state("int8:64", 1000, 4)
     assert [tuple(t.shape) for t in st] == [(1024,), (256,)]

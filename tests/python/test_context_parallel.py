@@ -22,7 +22,7 @@ def reference(q, k, v):
 
 def _cp_attention(rank, world, comm, seq):
     import megatronapp as mapp
-    from megatronapp.context_parallel import (
+    from megatronapp.models.context_parallel import (
         ring_attention,
         ulysses_attention,
         zigzag_gather,
@@ -63,7 +63,7 @@ def test_causal_attention_matches_single_process(cp, comm, seq_per_chunk):
 
 def _bad(rank, world, what):
     import megatronapp as mapp
-    from megatronapp.context_parallel import ring_attention, ulysses_attention
+    from megatronapp.models.context_parallel import ring_attention, ulysses_attention
 
     state = mapp.initialize_model_parallel(context_parallel_size=world)
     try:

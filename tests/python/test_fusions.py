@@ -18,7 +18,7 @@ def _reference(x, scale):
 
 @pytest.mark.parametrize("shape", [(2, 3, 17, 17), (5, 8, 8), (2, 4, 24)])
 def test_scaled_causal_softmax_matches_float64(shape):
-    from megatronapp.fusions import scaled_causal_softmax
+    from megatronapp.models.fusions import scaled_causal_softmax
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g) * 3
@@ -44,7 +44,7 @@ def test_scaled_causal_softmax_matches_float64(shape):
 
 def test_the_cuda_composite_path_matches_the_kernel():
     """What runs on CUDA (torch ops) against the CPU kernel, on CPU tensors."""
-    from megatronapp.fusions import _composite, _composite_backward
+    from megatronapp.models.fusions import _composite, _composite_backward
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 9, 12, generator=g, dtype=torch.float64)
@@ -113,7 +113,7 @@ def test_local_attention_is_sdpa():
 def test_softmax_dropout_kernel_is_the_composition(dtype):
     """One kernel, the same numbers as softmax then dropout from the same
     generator state, forward and backward (the mask follows the flat index)."""
-    from megatronapp.fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
+    from megatronapp.models.fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
     from megatronapp.tensor_parallel.random import dropout
 
     g = torch.Generator().manual_seed(5)

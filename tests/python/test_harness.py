@@ -130,7 +130,7 @@ def _ddp_is_collected(rank, world):
     import weakref
 
     import torch
-    from megatronapp.data_parallel import DistributedDataParallel
+    from megatronapp.distributed.data_parallel import DistributedDataParallel
 
     m = torch.nn.Linear(4, 4)
     d = DistributedDataParallel(m)

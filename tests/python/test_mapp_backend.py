@@ -18,7 +18,7 @@ def _every_collective(rank, world, env):
     import torch.distributed as dist
 
     import megatronapp
-    from megatronapp.distributed_backend import uses_shared_memory
+    from megatronapp.distributed.backend import uses_shared_memory
 
     ranks = list(range(world))
     g = dist.new_group(ranks, backend="mapp")

@@ -13,7 +13,7 @@ from dist_harness import run_ranks
 
 
 def test_dynamic_scaler_follows_megatron_hysteresis_and_growth():
-    from megatronapp.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatronapp.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
     s = DynamicGradScaler(initial_scale=1024, min_scale=256, growth_interval=3, hysteresis=2)
     s.update(True)
@@ -49,7 +49,7 @@ def _model(dtype):
 
 def _main_grads_and_master_step(rank, world, zero):
     import megatronapp as mapp
-    from megatronapp.data_parallel import DistributedDataParallel
+    from megatronapp.distributed.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megatronapp.training import finalize_model_grads
 
@@ -120,9 +120,9 @@ def test_fp32_main_gradients_and_master_weights_match_references(zero):
 
 def _fp16_overflow_is_skipped(rank, world, zero, hysteresis):
     import megatronapp as mapp
-    from megatronapp.data_parallel import DistributedDataParallel
-    from megatronapp.grad_scaler import DynamicGradScaler
+    from megatronapp.distributed.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
+    from megatronapp.optimizer.grad_scaler import DynamicGradScaler
 
     mapp.initialize_model_parallel()
     model = _model(torch.float16)
@@ -161,7 +161,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(zero):
 
 
 def _needs_fp32_main_gradients(rank, world):
-    from megatronapp.data_parallel import DistributedDataParallel
+    from megatronapp.distributed.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import MixedPrecisionOptimizer
 
     ddp = DistributedDataParallel(_model(torch.bfloat16))

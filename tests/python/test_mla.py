@@ -408,7 +408,7 @@ def _seq_aux_over_context(rank, world):
     """Each rank routes its half of every sequence (the two zigzag chunks)."""
     import torch.distributed as dist
 
-    from megatronapp.context_parallel import zigzag_split
+    from megatronapp.models.context_parallel import zigzag_split
     from megatronapp.moe.router import Router
 
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def _ns64(g, steps=5):
 
 @pytest.mark.parametrize("shape", [(24, 64), (96, 32), (32, 32)])
 def test_newton_schulz_is_the_quintic_iteration_and_near_the_polar_factor(shape):
-    from megatronapp.muon import newton_schulz
+    from megatronapp.optimizer.muon import newton_schulz
 
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     o = newton_schulz(g)

@@ -15,7 +15,7 @@ from dist_harness import assert_variants_identical, error_messages, run_ranks, t
 def _mechanism(rank, world):
     import torch.nn as nn
 
-    from megatronapp.data_parallel import DistributedDataParallel
+    from megatronapp.distributed.data_parallel import DistributedDataParallel
     from megatronapp.optimizer import DistributedOptimizer
 
     def build(overlap):

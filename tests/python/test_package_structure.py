@@ -10,7 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "python" / "megatronapp"
 #: Package-private modules meant to be shared inside the package.
-SHARED_PRIVATE = {"megatronapp._C", "megatronapp._collectives"}
+SHARED_PRIVATE = {"megatronapp._C", "megatronapp._collectives", "megatronapp._moved"}
 
 
 def _modules() -> dict:
@@ -149,12 +149,12 @@ def test_layers_call_down_only():
         seen.add(a)
         return any(reaches(x, b, seen) for x in graph[a] if x not in seen)
 
-    for low in ("megatronapp.pipeline.executor", "megatronapp.data_parallel",
+    for low in ("megatronapp.pipeline.executor", "megatronapp.distributed.data_parallel",
                 "megatronapp.optimizer", "megatronapp.checkpoint", "megatronapp.models.gpt",
                 "megatronapp.tensor_parallel.layers", "megatronapp.autograd"):
         assert not reaches(low, "megatronapp.training"), f"{low} imports the training edge"
-    assert not reaches("megatronapp.pipeline.executor", "megatronapp.data_parallel")
-    assert not reaches("megatronapp.data_parallel", "megatronapp.pipeline")
+    assert not reaches("megatronapp.pipeline.executor", "megatronapp.distributed.data_parallel")
+    assert not reaches("megatronapp.distributed.data_parallel", "megatronapp.pipeline")
 
 
 # ---- one engine (issue 44): each listed algorithm has one implementation ------------------
@@ -192,3 +192,52 @@ def test_each_engine_algorithm_is_written_once(algorithm):
                        f"implementation: {found}")
     home_text = (ROOT.parents[1] / home).read_text()
     assert any(m in home_text for m in markers), f"{home} no longer implements {algorithm}"
+
+
+# ---- the 2026-12 regroup: old paths are deprecated aliases ---------------------------------
+_ALIASES = """
+import importlib, sys, warnings
+import megatronapp
+from megatronapp import _moved
+for old, new in _moved.MOVED.items():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new) is sys.modules[old], old
+    assert any(issubclass(x.category, DeprecationWarning) and new in str(x.message)
+               for x in w), (old, [str(x.message) for x in w])
+    leaf = old.rsplit(".", 1)[1]
+    assert getattr(megatronapp, leaf) is mod, old
+print("ok")
+"""
+_PACKAGE_ONLY = """
+import warnings
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    import megatronapp, megatronapp.training, megatronapp.pretrain, megatronapp.scope
+    import megatronapp.checkpoint, megatronapp.convert, megatronapp.memory.plan
+moved = [str(x.message) for x in w if "the old import path is deprecated" in str(x.message)]
+assert not moved, moved
+print("ok")
+"""
+
+
+def test_old_import_paths_are_the_moved_modules_with_a_warning():
+    """Every module the regroup moved still imports from its old path, as the
+    very module object it moved to (so patching one patches both), with a
+    DeprecationWarning naming the new path; importing megatronapp itself
+    warns about none of them."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _PACKAGE_ONLY], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-c", _ALIASES], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+    moved = sorted(m for m in MODULES if m.count(".") == 1 and m.split(".")[1] in {
+        "data_parallel", "comm", "distributed_backend", "grad_scaler", "gradients", "muon",
+        "faults", "watchdog", "scale_model", "fusions", "context_parallel", "scope_taps"})
+    for m in moved:  # the stubs hold nothing but the alias
+        assert "_alias(__name__" in MODULES[m].read_text(), m

@@ -5,7 +5,7 @@ import dataclasses as dc
 
 import pytest
 
-from megatronapp import scale_model as sm
+from megatronapp.tools import scale_model as sm
 
 IDEAL = sm.Hardware(name="ideal", peak_flops=100e12, hbm_bandwidth=1e30, gpus_per_node=8,
                     intra_bus_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
@@ -122,7 +122,7 @@ def test_selective_adds_core_attention_to_backward_and_precision_scales_memory()
 def test_moe_terms_reduce_to_the_dense_closed_forms_and_count_deepseek_v3():
     import dataclasses as dc
 
-    from megatronapp import scale_model as sm
+    from megatronapp.tools import scale_model as sm
 
     job = sm.GPT3_175B_1024
     generic = dc.replace(job, attention_params=4 * job.hidden_size ** 2)  # same model, new path
@@ -145,7 +145,7 @@ def test_reproduces_deepseek_v3_training_cost_within_fifteen_percent():
     with the matmul efficiency calibrated on GPT-3 175B (A100), never on it."""
     import dataclasses as dc
 
-    from megatronapp import scale_model as sm
+    from megatronapp.tools import scale_model as sm
 
     hw = sm.calibrate(sm.GPT3_175B_1024, sm.A100_SELENE, 138.0)
     h800 = dc.replace(sm.H800_DEEPSEEK, gemm_efficiency=hw.gemm_efficiency)

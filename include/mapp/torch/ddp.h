@@ -1,5 +1,5 @@
 // Data parallelism for C++ trainers: the bucketed, overlapped, compressed
-// gradient reduction of megatronapp.data_parallel.DistributedDataParallel and
+// gradient reduction of megatronapp.distributed.data_parallel.DistributedDataParallel and
 // the ZeRO-1 optimizer of megatronapp.optimizer.DistributedOptimizer, with the
 // same bucket layout (so a lossy codec quantizes the same blocks and a C++ run
 // computes what the Python run computes).

@@ -1,4 +1,4 @@
-// Fault injection for C++ trainers, the variables megatronapp.faults reads
+// Fault injection for C++ trainers, the variables megatronapp.resilience.faults reads
 // (docs/tracing.md), so a C++ run can be checked by the slow-rank detector:
 //
 //   MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward|backward|all[,start=K]"

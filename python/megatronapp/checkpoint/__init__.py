@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch
 
 from .. import _C, _collectives
-from ..data_parallel import DistributedDataParallel
+from ..distributed.data_parallel import DistributedDataParallel
 from ..optimizer import MixedPrecisionOptimizer
 from ..parallel_state import resolve_state
 from ..tensor_parallel.utils import partition_view, split_over

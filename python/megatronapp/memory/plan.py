@@ -200,7 +200,7 @@ def _shape(f: dict, world_size: int, vocab_size: int | None) -> _Shape:
     if f.get("num_experts"):
         raise ValueError("the memory planner does not model MoE layers yet (--num-experts): "
                          "its estimate would leave out the experts' weights and the dispatched "
-                         "tokens; size MoE runs with megatronapp.scale_model.memory_per_gpu or "
+                         "tokens; size MoE runs with megatronapp.tools.scale_model.memory_per_gpu or "
                          "drop --memory-limit-gb / --recompute-granularity auto")
     tp, pp = f["tensor_model_parallel_size"], f["pipeline_model_parallel_size"]
     vpp = f.get("virtual_pipeline_model_parallel_size") or 1

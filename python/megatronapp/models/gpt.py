@@ -31,9 +31,7 @@ import torch
 from torch import nn
 
 from .. import packed_sequence
-from .. import scope_taps as taps
 from ..autograd import linear
-from ..fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
 from ..parallel_state import ParallelState
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -46,6 +44,8 @@ from ..tensor_parallel import (
 from ..tensor_parallel.random import check_recompute, checkpoint, dropout, get_rng_tracker
 from ..tensor_parallel.utils import divide, resolve_state, sharded_parameter
 from . import kv_cache
+from . import scope_taps as taps
+from .fusions import scaled_causal_softmax, scaled_causal_softmax_dropout
 from .rotary import RotaryEmbedding, apply_rotary, positions
 
 
@@ -581,7 +581,7 @@ class ParallelAttention(nn.Module):
         packed = packed_sequence.current() if self.causal else None
         segments = packed.segment_ids if packed is not None else None
         if self.context_group is not None:  # the sequence is split over the context group
-            from ..context_parallel import ring_attention, ulysses_attention
+            from .context_parallel import ring_attention, ulysses_attention
             fn = ring_attention if self.cp_comm_type == "p2p" else ulysses_attention
             return fn(q, k, v, self.context_group, scale=self.softmax_scale,
                       segment_ids=segments)

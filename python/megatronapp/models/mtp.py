@@ -93,7 +93,7 @@ def mtp_targets(labels: torch.Tensor, depths: int, cp_size: int = 1, cp_rank: in
     documents): the document of each input token and of the last label; a
     position whose target lies in another document than its own token is
     masked too (no prediction across a document's end)."""
-    from ..context_parallel import zigzag_split
+    from .context_parallel import zigzag_split
 
     b, s = labels.shape
     pos = torch.arange(s, device=labels.device)

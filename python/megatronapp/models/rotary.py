@@ -85,7 +85,7 @@ def positions(s: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     a sequence of s x cp_size under context parallelism)."""
     pos = torch.arange(s * cp_size, device=device)
     if cp_size > 1:
-        from ..context_parallel import zigzag_split
+        from .context_parallel import zigzag_split
 
         pos = zigzag_split(pos, cp_size, cp_rank, 0)
     return pos

@@ -107,7 +107,7 @@ class Router(nn.Module):
             self.expert_bias = None
         self.last_load: torch.Tensor | None = None
         self.last_dropped = 0
-        from ..faults import expert_skew
+        from ..resilience.faults import expert_skew
 
         skew = expert_skew()
         self._skew = None

@@ -28,7 +28,7 @@ on its stage: the output is handed to the other chunk as if it had arrived
 (a copy that requires grad), and the input gradient goes back the same way.
 
 Chunks that implement :class:`GradSync` (megatronapp's
-:class:`~megatronapp.data_parallel.DistributedDataParallel` does) synchronize
+:class:`~megatronapp.distributed.data_parallel.DistributedDataParallel` does) synchronize
 only during their final backward (and final W), so a chunk's data-parallel
 reduction starts as soon as its last weight gradient is done, while other
 chunks still compute; the executor finishes all of them at the end of the
@@ -50,9 +50,10 @@ import torch.distributed as dist
 
 import torch
 
-from .. import _collectives, autograd, faults
+from .. import _collectives, autograd
 from .. import trace as _trace
 from ..parallel_state import ParallelState, resolve_state, shared_memory_enabled
+from ..resilience import faults
 from .schedules import Schedule
 
 __all__ = ["forward_backward", "GradSync", "PipelineResult"]

@@ -25,7 +25,7 @@ vocabulary-sharded tensors are gathered over the tensor group first.
 (one ``gather_object`` over the world).
 
 Cost when off: the model reads one module global per tap point
-(``megatronapp.scope_taps.ACTIVE``); a scope with nothing watched and no
+(``megatronapp.models.scope_taps.ACTIVE``); a scope with nothing watched and no
 perturbation armed does not even set it.
 
 Perturbations (``KINDS``): ``gaussian`` (x + std * N(0, 1)), ``uniform``
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import torch
 
-from .. import scope_taps as taps
+from ..models import scope_taps as taps
 
 __all__ = ["Scope", "ScopeError", "Probe", "Perturbation", "SITES", "REDUCERS", "KINDS",
            "reduce_tensor", "check_perturbation"]

@@ -25,8 +25,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from ..comm import Compression
 from ..data.tokenizers import TOKENIZER_TYPES
+from ..distributed.comm import Compression
 from ..pipeline import SCHEDULES, make_schedule
 from ..pipeline.fbd import FBDLayout, parse_ratio, program
 from ..pipeline.layout import layer_layout, parse_layout
@@ -101,7 +101,7 @@ class ParallelConfig:
     distributed_backend: str = _flag(
         "auto", "auto: nccl with CUDA, gloo otherwise (whose groups move this node's "
         "collectives through shared memory all the same); mapp: the shared-memory backend for "
-        "every group (megatronapp.distributed_backend)", choices=("auto", "gloo", "nccl", "mapp"))
+        "every group (megatronapp.distributed.backend)", choices=("auto", "gloo", "nccl", "mapp"))
     forward_backward_disaggregating: bool = _flag(
         False, "MegaFBD: split the data-parallel ranks into forward-only ranks, which run "
         "the pipeline without autograd and ship each stage's input, and backward ranks, which "
@@ -466,7 +466,7 @@ class OptimConfig:
         "adam", "adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with "
         "--sgd-momentum; both under ZeRO-1, mixed precision and checkpoints; muon: "
         "orthogonalized momentum for the linear layers' matrices, AdamW for the rest "
-        "(megatronapp.muon)", choices=("adam", "sgd", "muon"))
+        "(megatronapp.optimizer.muon)", choices=("adam", "sgd", "muon"))
     adam_beta1: float = _flag(0.9, "AdamW's first-moment decay")
     adam_beta2: float = _flag(
         0.95, "AdamW's second-moment decay (Megatron-LM's default is 0.999; 0.95 is the "

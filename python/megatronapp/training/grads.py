@@ -28,8 +28,9 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import _collectives, gradients
+from .. import _collectives
 from ..optimizer import MixedPrecisionOptimizer
+from ..optimizer import clip_grads as gradients
 from ..parallel_state import ParallelState, resolve_state
 from ..pipeline import GradSync
 

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 import torch
 
-from .. import faults, memory, watchdog
+from .. import memory
 from .. import trace as tracing
+from ..resilience import faults, watchdog
 
 __all__ = ["Hook", "default_hooks", "FaultInjectionHook", "TracingHook", "WatchdogHook", "ScopeHook",
            "PreemptionHook", "AllocationTraceHook", "ProgressHook", "OutputHook",

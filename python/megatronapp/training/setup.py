@@ -27,14 +27,14 @@ import torch
 
 from .. import _collectives, checkpoint, memory, packed_sequence
 from .. import parallel_state as ps
-from ..comm import Compression
 from ..data import TextDataset, build_tokenizer, default_corpus, padded_vocab_size
 from ..data.gpt_dataset import GPTData
-from ..data_parallel import DistributedDataParallel
-from ..grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ..distributed.comm import Compression
+from ..distributed.data_parallel import DistributedDataParallel
 from ..models import GPTConfig, GPTModel
 from ..models.mtp import AddToGradient, mtp_loss
 from ..optimizer import DistributedOptimizer, FusedAdamW, MixedPrecisionOptimizer
+from ..optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ..packed_sequence import MaskedTarget
 from ..parallel_state import ParallelState
 from ..pipeline.fbd import fbd_parallel_state, parse_ratio
@@ -444,8 +444,8 @@ def build_optimizer(config: Config, chunks: list, state: ParallelState):
 def _muon(optim, chunks: list, state: ParallelState):
     """--optimizer muon: (class, groups, options) with the linear layers'
     matrices in Muon's group, the embeddings and the output layer (matrices
-    too) and every vector in AdamW's (megatronapp.muon)."""
-    from ..muon import Muon
+    too) and every vector in AdamW's (megatronapp.optimizer.muon)."""
+    from ..optimizer.muon import Muon
 
     matrices, others, vectors = [], [], []
     for c in chunks:

@@ -19,7 +19,7 @@ import torch
 
 from .. import packed_sequence
 from .. import trace as tracing
-from ..context_parallel import zigzag_split
+from ..models.context_parallel import zigzag_split
 from ..models.mtp import mtp_targets
 from ..pipeline import AdaptiveSchedule, current_schedule, fbd, forward_backward, make_schedule, to_device
 from ..tensor_parallel.random import model_parallel_seed

@@ -17,7 +17,7 @@ Constructor: ``MixedPrecisionOptimizer(ddp, optimizer_class=torch.optim.AdamW,
 param_groups=None, *, grad_scaler=None, **optimizer_kwargs)``, the same for
 ``DistributedOptimizer``.
 
-* `ddp` — the :class:`~megatronapp.data_parallel.DistributedDataParallel`
+* `ddp` — the :class:`~megatronapp.distributed.data_parallel.DistributedDataParallel`
   wrapping the model (or a list of them: one per pipeline model chunk).
   With a model in bf16/fp16 wrap it with ``grad_reduce_in_fp32=True``: each
   parameter's gradient then accumulates into ``param.main_grad``, a float32
@@ -27,7 +27,7 @@ param_groups=None, *, grad_scaler=None, **optimizer_kwargs)``, the same for
 * `param_groups` — optional list of dicts ``{"params": [model params], **options}``
   like a torch optimizer's groups (e.g. no weight decay for biases); default
   one group with `optimizer_kwargs`.
-* `grad_scaler` — fp16: a :mod:`~megatronapp.grad_scaler` scaler. Gradients
+* `grad_scaler` — fp16: a :mod:`~megatronapp.optimizer.grad_scaler` scaler. Gradients
   are unscaled before the norm; a step whose global norm is not finite is
   skipped (:attr:`skipped_steps`) and the scaler updated.
 
@@ -54,9 +54,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _collectives, gradients
-from .data_parallel import DistributedDataParallel
-from .parallel_state import ParallelState, get_parallel_state
+from .. import _collectives
+from ..distributed.data_parallel import DistributedDataParallel
+from ..parallel_state import ParallelState, get_parallel_state
+from . import clip_grads as gradients
 
 __all__ = ["MixedPrecisionOptimizer", "DistributedOptimizer", "Shard", "FusedAdamW"]
 
@@ -99,7 +100,7 @@ class MixedPrecisionOptimizer:
         ddps = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
         if not ddps or not all(isinstance(d, DistributedDataParallel) for d in ddps):
             raise ValueError(f"{type(self).__name__} needs the model (or every pipeline model "
-                             "chunk) wrapped in megatronapp.data_parallel.DistributedDataParallel")
+                             "chunk) wrapped in megatronapp.distributed.DistributedDataParallel")
         self.ddps = ddps
         self.ddp = ddps[0]
         if self.sharded:
@@ -144,7 +145,7 @@ class MixedPrecisionOptimizer:
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self.param_groups = self.optimizer.param_groups
-        if hasattr(self.optimizer, "whole_matrices"):  # megatronapp.muon.Muon
+        if hasattr(self.optimizer, "whole_matrices"):  # megatronapp.optimizer.muon.Muon
             self._group_of = {p: self.optimizer.param_groups[i] for p, i in options.items()}
             # per bucket holding Muon matrices (the same on every rank, in order):
             # its matrices (param, offset, group) and this rank's pieces of each
@@ -193,7 +194,7 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def _whole_matrix_updates(self, items, orthogonalize) -> list:
-        """Muon's hook (megatronapp.muon.Muon.whole_matrices): `items` are
+        """Muon's hook (megatronapp.optimizer.muon.Muon.whole_matrices): `items` are
         ``(main piece, group, u piece)``. Per bucket holding a Muon matrix
         (the same buckets on every rank, in order): the u pieces laid out in
         bucket coordinates and, under ZeRO-1, all-gathered over the bucket's
