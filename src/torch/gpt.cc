@@ -48,21 +48,6 @@ void seeded(std::uint64_t base, std::int64_t component, Body&& body) {
   gen.set_state(saved);
 }
 
-// Sequence parallelism: this rank's slice of dim 0 (backward all-gathers it).
-struct ScatterToSP : torch::autograd::Function<ScatterToSP> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const std::string& group) {
-    ctx->saved_data["group"] = group;
-    const std::int64_t world = torch_ext::group_size(group);
-    MAPP_CHECK(x.size(0) % world == 0, "sequence length ", x.size(0),
-               " is not divisible by the tensor-parallel size ", world,
-               " (sequence parallelism shards it)");
-    return x.chunk(world, 0)[torch_ext::group_rank(group)].contiguous();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list g) {
-    return {torch_ext::all_gather(g[0].contiguous(), 0, ctx->saved_data["group"].toStringRef()),
-            at::Tensor()};
   }
 };
 
@@ -255,7 +240,12 @@ at::Tensor GPTModelImpl::forward(const at::Tensor& input, const at::Tensor& labe
     x = word_embeddings(input) +
         position_embeddings(at::arange(s, input.options().dtype(at::kLong)));
     x = x.transpose(0, 1).contiguous();  // [s, b, h]
-    if (config.sequence_parallel) x = ScatterToSP::apply(x, group_);
+    if (config.sequence_parallel) {
+      MAPP_CHECK(x.size(0) % torch_ext::group_size(group_) == 0, "sequence length ", x.size(0),
+                 " is not divisible by the tensor-parallel size ",
+                 torch_ext::group_size(group_), " (sequence parallelism shards it)");
+      x = scatter_to_sequence_parallel(x, group_);
+    }
   }
   x = layers_forward(x);
   if (!stage.post_process) return x;

@@ -32,13 +32,28 @@ at::Tensor all_reduce(const at::Tensor& x, const std::string& group) {
   return y;
 }
 
-at::Tensor last_dim_slice(const at::Tensor& x, const std::string& group) {
+// This rank's slice of `dim` (as given: -1 is the last), contiguous.
+at::Tensor split_along(const at::Tensor& x, std::int64_t dim, const std::string& group) {
   const std::int64_t world = torch_ext::group_size(group);
-  MAPP_CHECK(x.size(-1) % world == 0, "the last dim (", x.size(-1),
-             ") is not divisible by the tensor-parallel size ", world);
-  return x.chunk(world, -1)[torch_ext::group_rank(group)].contiguous();
+  if (world == 1) return x;
+  const std::int64_t d = dim < 0 ? dim + x.dim() : dim;
+  MAPP_CHECK(x.size(d) % world == 0, "cannot split dim ", dim, " of size ", x.size(d), " across ",
+             world, " tensor-parallel ranks; the size must be divisible by the tensor-parallel ",
+             "size");
+  return x.chunk(world, d)[torch_ext::group_rank(group)].contiguous();
 }
 
+std::int64_t dim_of(AutogradContext* ctx) { return ctx->saved_data["dim"].toInt(); }
+
+at::Tensor gather(const at::Tensor& x, std::int64_t dim, const std::string& group) {
+  return torch_ext::all_gather(x.contiguous(), dim < 0 ? dim + x.dim() : dim, group);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, std::int64_t dim, const std::string& group) {
+  return torch_ext::reduce_scatter_sum(x.contiguous(), dim < 0 ? dim + x.dim() : dim, group);
+}
+
+// The conjugate pairs of Megatron-LM's mappings (nn.h lists them).
 struct CopyToTP : torch::autograd::Function<CopyToTP> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
     ctx->saved_data["group"] = group;
@@ -56,43 +71,43 @@ struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
-struct GatherFromTP : torch::autograd::Function<GatherFromTP> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+struct ScatterTo : torch::autograd::Function<ScatterTo> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t dim,
+                            const std::string& group) {
     ctx->saved_data["group"] = group;
-    return torch_ext::all_gather(x.contiguous(), x.dim() - 1, group);
+    ctx->saved_data["dim"] = dim;
+    return split_along(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {last_dim_slice(g[0], group_of(ctx)), at::Tensor()};
+    return {gather(g[0], dim_of(ctx), group_of(ctx)), at::Tensor(), at::Tensor()};
   }
 };
 
-struct ScatterToTP : torch::autograd::Function<ScatterToTP> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+struct GatherFrom : torch::autograd::Function<GatherFrom> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t dim,
+                            const std::string& group, bool reduce_scatter_grad) {
     ctx->saved_data["group"] = group;
-    return last_dim_slice(x, group);
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["reduce_scatter_grad"] = reduce_scatter_grad;
+    return gather(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {torch_ext::all_gather(g[0].contiguous(), g[0].dim() - 1, group_of(ctx)), at::Tensor()};
+    const at::Tensor d = ctx->saved_data["reduce_scatter_grad"].toBool()
+                             ? reduce_scatter(g[0], dim_of(ctx), group_of(ctx))
+                             : split_along(g[0], dim_of(ctx), group_of(ctx));
+    return {d, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-struct GatherFromSP : torch::autograd::Function<GatherFromSP> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
+struct ReduceScatterTo : torch::autograd::Function<ReduceScatterTo> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t dim,
+                            const std::string& group) {
     ctx->saved_data["group"] = group;
-    return torch_ext::all_gather(x.contiguous(), 0, group);
+    ctx->saved_data["dim"] = dim;
+    return reduce_scatter(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {torch_ext::reduce_scatter_sum(g[0].contiguous(), 0, group_of(ctx)), at::Tensor()};
-  }
-};
-
-struct ReduceScatterToSP : torch::autograd::Function<ReduceScatterToSP> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {
-    ctx->saved_data["group"] = group;
-    return torch_ext::reduce_scatter_sum(x.contiguous(), 0, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {torch_ext::all_gather(g[0].contiguous(), 0, group_of(ctx)), at::Tensor()};
+    return {gather(g[0], dim_of(ctx), group_of(ctx)), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -111,7 +126,13 @@ struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
                             std::to_string(vocab) +
                             ") (or equal ignore_index=" + std::to_string(ignore_index) + ")";
     if (target.is_cpu()) {
-      MAPP_CHECK(!bad.any().item<bool>(), msg);
+      if (bad.any().item<bool>()) {
+        const at::Tensor found = target.masked_select(bad).flatten().slice(0, 0, 4);
+        std::string ids;
+        for (std::int64_t i = 0; i < found.numel(); ++i)
+          ids += (i ? ", " : "") + std::to_string(found[i].item<std::int64_t>());
+        TORCH_CHECK_INDEX(false, msg, "; found [", ids, "]");
+      }
     } else {  // no host synchronization per microbatch: a device-side assertion
       at::_assert_async(bad.any().logical_not(), msg);
     }
@@ -163,16 +184,22 @@ at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const std::string& g
   return torch_ext::group_size(group) == 1 ? x : ReduceFromTP::apply(x, group);
 }
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const std::string& group) {
-  return torch_ext::group_size(group) == 1 ? x : GatherFromTP::apply(x, group);
+  return torch_ext::group_size(group) == 1 ? x : GatherFrom::apply(x, -1, group, false);
 }
 at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, const std::string& group) {
-  return torch_ext::group_size(group) == 1 ? x : ScatterToTP::apply(x, group);
+  return torch_ext::group_size(group) == 1 ? x : ScatterTo::apply(x, -1, group);
 }
-at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group) {
-  return torch_ext::group_size(group) == 1 ? x : GatherFromSP::apply(x, group);
+at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group) {
+  return torch_ext::group_size(group) == 1 ? x : ScatterTo::apply(x, 0, group);
+}
+at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group,
+                                         bool tensor_parallel_output_grad) {
+  return torch_ext::group_size(group) == 1
+             ? x
+             : GatherFrom::apply(x, 0, group, tensor_parallel_output_grad);
 }
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group) {
-  return torch_ext::group_size(group) == 1 ? x : ReduceScatterToSP::apply(x, group);
+  return torch_ext::group_size(group) == 1 ? x : ReduceScatterTo::apply(x, 0, group);
 }
 
 namespace {
@@ -413,9 +440,15 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                         const std::string& group, std::int64_t ignore_index) {
-  MAPP_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-             "vocab_parallel_cross_entropy: target shape ", target.sizes(),
-             " must equal logits shape without the vocabulary dim");
+  auto tuple = [](c10::IntArrayRef v) {  // as Python prints a shape
+    std::string out = "(";
+    for (std::size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+    return out + (v.size() == 1 ? ",)" : ")");
+  };
+  const c10::IntArrayRef rows = logits.sizes().slice(0, std::max<std::int64_t>(logits.dim() - 1, 0));
+  MAPP_CHECK(target.sizes() == rows, "vocab_parallel_cross_entropy: target shape ",
+             tuple(target.sizes()), " must equal logits shape without the vocabulary dim ",
+             tuple(rows));
   return VocabParallelCE::apply(logits, target, group, ignore_index);
 }
 

@@ -14,6 +14,7 @@
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/compressed.h"
+#include "mapp/torch/nn.h"
 #include "mapp/torch/shm_p2p.h"
 #include "mapp/tp/cross_entropy.h"
 #include "mapp/tp/dropout.h"
@@ -464,6 +465,15 @@ TORCH_LIBRARY(mapp, m) {
       &mapp::torch_ext::reduce_scatter_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
         &mapp::torch_ext::work_wait);
+  // Tensor-parallel mappings (dim: 0 = sequence, -1 = the last dim).
+  m.def("tp_copy_to(Tensor x, str group_name) -> Tensor");
+  m.def("tp_reduce_from(Tensor x, str group_name) -> Tensor");
+  m.def("tp_scatter_to(Tensor x, int dim, str group_name) -> Tensor");
+  m.def("tp_gather_from(Tensor x, int dim, str group_name, bool reduce_scatter_grad) -> Tensor");
+  m.def("tp_reduce_scatter_to(Tensor x, str group_name) -> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group_name, "
+      "int ignore_index=-100) -> Tensor");
 }
 
 // Collectives are device-generic: c10d picks the backend from the tensor.
@@ -471,6 +481,30 @@ TORCH_LIBRARY_IMPL(mapp, CompositeExplicitAutograd, m) {
   m.impl("all_reduce_", &mapp::torch_ext::all_reduce_op);
   m.impl("all_gather", &mapp::torch_ext::all_gather);
   m.impl("reduce_scatter", &mapp::torch_ext::reduce_scatter_sum);
+}
+
+// The tensor-parallel mappings and the vocabulary-parallel cross-entropy:
+// C++ autograd functions (nn.cc), the one implementation both front-ends use.
+TORCH_LIBRARY_IMPL(mapp, CompositeImplicitAutograd, m) {
+  m.impl("tp_copy_to", &mapp::nn::copy_to_tensor_parallel);
+  m.impl("tp_reduce_from", &mapp::nn::reduce_from_tensor_parallel);
+  m.impl("tp_scatter_to", [](const at::Tensor& x, std::int64_t dim, std::string group) {
+    MAPP_CHECK(dim == 0 || dim == -1, "tp_scatter_to: dim 0 (sequence) or -1, got ", dim);
+    return dim == 0 ? mapp::nn::scatter_to_sequence_parallel(x, group)
+                    : mapp::nn::scatter_to_tensor_parallel(x, group);
+  });
+  m.impl("tp_gather_from",
+         [](const at::Tensor& x, std::int64_t dim, std::string group, bool reduce_scatter_grad) {
+           MAPP_CHECK(dim == 0 || dim == -1, "tp_gather_from: dim 0 (sequence) or -1, got ", dim);
+           MAPP_CHECK(dim == 0 || !reduce_scatter_grad,
+                      "tp_gather_from: a reduce-scatter gradient is along dim 0 only");
+           return dim == 0 ? mapp::nn::gather_from_sequence_parallel(x, group, reduce_scatter_grad)
+                           : mapp::nn::gather_from_tensor_parallel(x, group);
+         });
+  m.impl("tp_reduce_scatter_to", [](const at::Tensor& x, std::string group) {
+    return mapp::nn::reduce_scatter_to_sequence_parallel(x, group);
+  });
+  m.impl("vocab_parallel_cross_entropy", &mapp::nn::vocab_parallel_cross_entropy);
 }
 
 TORCH_LIBRARY_IMPL(mapp, CPU, m) {

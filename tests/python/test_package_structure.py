@@ -169,6 +169,13 @@ ONE_ENGINE = {
         ("0xEDB88320", "zlib.crc32", "os.pread", "pread(", "safe_open", 'unpack("<Q"',
          ".latest.tmp", "data_offsets"),
     ),
+    "tensor-parallel mappings and the vocabulary-parallel cross-entropy": (
+        "src/torch/nn.cc",
+        # the autograd functions (conjugate collectives; the CE's forward/backward)
+        ("CopyToTP", "ReduceFromTP", "ReduceScatterTo", "GatherFrom", "ScatterTo",
+         "VocabParallelCE", "_CopyToRegion", "_ReduceFromRegion", "_GatherFromRegion",
+         "_ScatterToRegion", "_ReduceScatterToRegion", "_VocabParallelCrossEntropy"),
+    ),
 }
 
 

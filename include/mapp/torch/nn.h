@@ -52,6 +52,8 @@ ParamAttrs param_attrs(const at::Tensor& param);  // defaults for an unmarked te
 void mark_sequence_parallel(torch::nn::Module& module);
 
 // ---- tensor-parallel mappings (autograd) -----------------------------------------------
+// The one implementation: Python's megatronapp.tensor_parallel.mappings and
+// vocab_parallel_cross_entropy call these through torch.ops.mapp.tp_* (ops.cc).
 // forward identity, backward all-reduce (the input of a column-parallel layer)
 at::Tensor copy_to_tensor_parallel(const at::Tensor& x, const std::string& group);
 // forward all-reduce, backward identity (the output of a row-parallel layer)
@@ -60,8 +62,13 @@ at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, const std::string& g
 at::Tensor gather_from_tensor_parallel(const at::Tensor& x, const std::string& group);
 // forward this rank's slice of the last dim, backward all-gather
 at::Tensor scatter_to_tensor_parallel(const at::Tensor& x, const std::string& group);
-// forward all-gather of dim 0 (sequence), backward reduce-scatter
-at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group);
+// forward this rank's slice of dim 0 (sequence), backward all-gather
+at::Tensor scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group);
+// forward all-gather of dim 0 (sequence), backward reduce-scatter (or, when
+// !tensor_parallel_output_grad — the consumer's gradient is the same on every
+// member — this rank's slice)
+at::Tensor gather_from_sequence_parallel(const at::Tensor& x, const std::string& group,
+                                         bool tensor_parallel_output_grad = true);
 // forward reduce-scatter of dim 0, backward all-gather
 at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::string& group);
 
