@@ -84,8 +84,9 @@ __all__ = [
 def __getattr__(name: str):
     """megatronapp.<old module> (moved in the 2026-12 regroup): the new one, with a
     DeprecationWarning (see megatronapp._moved)."""
-    from . import _moved
+    if not name.startswith("_"):
+        from ._moved import MOVED, alias
 
-    if f"{__name__}.{name}" in _moved.MOVED:
-        return _moved.alias(f"{__name__}.{name}", stacklevel=3)
+        if f"{__name__}.{name}" in MOVED:
+            return alias(f"{__name__}.{name}", stacklevel=3)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,9 +48,6 @@ void seeded(std::uint64_t base, std::int64_t component, Body&& body) {
   gen.set_state(saved);
 }
 
-  }
-};
-
 // Full recomputation: forward without keeping the graph (only the input is
 // saved); backward runs `fn` again with autograd on and back-propagates
 // through it (reentrant, as Megatron's CheckpointFunction). Inside a
