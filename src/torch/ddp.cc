@@ -86,10 +86,9 @@ void add_embedding_sums(const Pairs& pairs, const dist::ParallelState& st) {
   flat_all_reduce(shared, st.embedding_group());
 }
 
-// The global L2 norm (tensor-parallel shards counted on every tensor rank,
-// replicated parameters on tensor rank 0; float64 sum of squared per-tensor
-// norms over `groups`), then clipping to max_norm (0: none). Returns the norm
-// before clipping. As megatronapp.optimizer.clip_grads.clip_grad_norm_.
+// Which gradients count (tensor-parallel shards on every tensor rank,
+// replicated parameters on tensor rank 0, not the last stage's tied-embedding
+// replica), then the global norm and clipping. Returns the norm before clipping.
 double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
                            const std::vector<std::string>& groups, double max_norm) {
   std::vector<at::Tensor> counted, all;
@@ -99,12 +98,9 @@ double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
     if (a.shared_embedding_replica) continue;  // the first stage counts it
     if (a.tensor_parallel || st.tp_rank() == 0) counted.push_back(g);
   }
-  at::Tensor sq = at::zeros({1}, at::kDouble);
-  if (!counted.empty()) sq += at::stack(at::_foreach_norm(counted)).to(at::kDouble).square().sum();
-  for (const auto& group : groups) torch_ext::all_reduce_sum_(sq, group);
-  const double norm = std::sqrt(sq.item<double>());
-  if (max_norm > 0 && norm > max_norm && !all.empty())
-    at::_foreach_mul_(all, max_norm / (norm + 1e-6));
+  const at::Device device = all.empty() ? at::Device(at::kCPU) : all.front().device();
+  const double norm = global_grad_norm(counted, groups, {}, {}, false, device);
+  clip_grads_(all, max_norm, norm);
   return norm;
 }
 
@@ -116,6 +112,43 @@ std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b) {
 }
 
 }  // namespace
+
+namespace {
+at::Tensor sum_of_squares(const std::vector<at::Tensor>& grads, at::Device device) {
+  at::Tensor total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  if (!grads.empty()) {
+    std::vector<at::Tensor> detached;
+    detached.reserve(grads.size());
+    for (const auto& g : grads) detached.push_back(g.detach());
+    total += at::stack(at::_foreach_norm(detached)).to(at::kDouble).square().sum();
+  }
+  return total;
+}
+}  // namespace
+
+double global_grad_norm(const std::vector<at::Tensor>& counted,
+                        const std::vector<std::string>& groups,
+                        const std::vector<at::Tensor>& experts,
+                        const std::vector<std::string>& expert_groups, bool split_experts,
+                        at::Device device) {
+  at::NoGradGuard no_grad;
+  at::Tensor total = sum_of_squares(counted, device);
+  for (const auto& group : groups)
+    if (torch_ext::group_size(group) > 1) torch_ext::all_reduce_sum_(total, group);
+  if (split_experts) {
+    at::Tensor ex = sum_of_squares(experts, device);
+    for (const auto& group : expert_groups)
+      if (torch_ext::group_size(group) > 1) torch_ext::all_reduce_sum_(ex, group);
+    total += ex;
+  }
+  return std::sqrt(total.item<double>());  // the one host synchronization
+}
+
+void clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm) {
+  at::NoGradGuard no_grad;
+  if (max_norm > 0 && norm > max_norm && !grads.empty())
+    at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
+}
 
 double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
                         const dist::ParallelState& state, double max_norm) {

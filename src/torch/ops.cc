@@ -14,6 +14,7 @@
 #include "codec_dispatch.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/compressed.h"
+#include "mapp/torch/ddp.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/shm_p2p.h"
 #include "mapp/tp/cross_entropy.h"
@@ -465,6 +466,20 @@ TORCH_LIBRARY(mapp, m) {
       &mapp::torch_ext::reduce_scatter_async);
   m.def("wait_comm(__torch__.torch.classes.mapp.CommWork work, int timeout_ms=-1) -> int[]",
         &mapp::torch_ext::work_wait);
+  // The global gradient norm and clipping (ddp.h), for lists that may be empty.
+  m.def(
+      "global_grad_norm(Tensor[] counted, str[] groups, Tensor[] experts, str[] expert_groups, "
+      "bool split_experts, Device device) -> float",
+      [](const std::vector<at::Tensor>& counted, const std::vector<std::string>& groups,
+         const std::vector<at::Tensor>& experts, const std::vector<std::string>& expert_groups,
+         bool split_experts, c10::Device device) {
+        return mapp::global_grad_norm(counted, groups, experts, expert_groups, split_experts,
+                                      device);
+      });
+  m.def("clip_grads_(Tensor(a!)[] grads, float max_norm, float norm) -> ()",
+        [](const std::vector<at::Tensor>& grads, double max_norm, double norm) {
+          mapp::clip_grads_(grads, max_norm, norm);
+        });
   // Tensor-parallel mappings (dim: 0 = sequence, -1 = the last dim).
   m.def("tp_copy_to(Tensor x, str group_name) -> Tensor");
   m.def("tp_reduce_from(Tensor x, str group_name) -> Tensor");

@@ -169,6 +169,10 @@ ONE_ENGINE = {
         ("0xEDB88320", "zlib.crc32", "os.pread", "pread(", "safe_open", 'unpack("<Q"',
          ".latest.tmp", "data_offsets"),
     ),
+    "global gradient norm and clipping": (
+        "src/torch/ddp.cc",
+        ("_foreach_norm", "norm + 1e-6"),
+    ),
     "tensor-parallel mappings and the vocabulary-parallel cross-entropy": (
         "src/torch/nn.cc",
         # the autograd functions (conjugate collectives; the CE's forward/backward)

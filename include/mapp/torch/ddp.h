@@ -136,6 +136,22 @@ double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState&
 double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
                         const dist::ParallelState& state, double max_norm);
 
+// The global gradient norm and clipping: the one implementation (Python's
+// megatronapp.optimizer.clip_grads calls it through torch.ops.mapp.global_grad_norm
+// and torch.ops.mapp.clip_grads_). `counted`: the gradients (or ZeRO-1 pieces)
+// this rank counts; their squared per-tensor norms are summed in float64 on
+// `device` and over `groups`. With `split_experts`, the MoE experts'
+// gradients `experts` are summed apart over `expert_groups` (every expert
+// shard lives on one rank there) and added. One host synchronization.
+double global_grad_norm(const std::vector<at::Tensor>& counted,
+                        const std::vector<std::string>& groups,
+                        const std::vector<at::Tensor>& experts,
+                        const std::vector<std::string>& expert_groups, bool split_experts,
+                        at::Device device);
+// Scales `grads` in place so that a total norm of `norm` becomes at most
+// `max_norm` (nothing when max_norm <= 0 or norm <= max_norm).
+void clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
+
 // One AdamW parameter group: the model parameters and their options.
 struct ParamGroup {
   std::vector<at::Tensor> params;

@@ -8,20 +8,21 @@ the slice of it this rank owns (ZeRO-1). Which pairs count is decided by
 :func:`counted`: tensor-parallel shards on every tensor rank, replicated
 parameters on tensor rank 0 only, and the last pipeline stage's replica of
 tied embeddings not at all (the first stage counts it). Each tensor's norm
-is taken in one pass (``torch._foreach_norm``) and the squares of those norms
-are summed in float64 on the gradients' device; the only host synchronization
-is the one that reads the final norm.
+is taken in one multi-tensor pass and the squares of those norms are
+summed in float64 on the gradients' device; the only host synchronization is
+the one that reads the final norm. The norm and the clipping are the C++
+engine's (``mapp::global_grad_norm`` / ``mapp::clip_grads_`` in
+``include/mapp/torch/ddp.h``, which the C++ trainers call too); this module
+decides which gradients count.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch.distributed as dist
 
 import torch
 
-from .. import _collectives
+from .. import _C  # noqa: F401  (registers torch.ops.mapp)
 from ..parallel_state import ParallelState
 from ..tensor_parallel.utils import is_tensor_parallel
 
@@ -39,17 +40,6 @@ def counted(param: torch.Tensor, state: ParallelState | None) -> bool:
     return is_tensor_parallel(param) or tp_rank == 0
 
 
-def _sum_squares(grads, device) -> torch.Tensor:
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads:
-        # One pass per tensor without copies (fp32 accumulation, as
-        # Megatron-Core's multi-tensor L2 norm); the per-tensor norms are
-        # squared and summed in float64.
-        norms = torch._foreach_norm([g.detach() for g in grads])  # noqa: SLF001
-        total += torch.stack(norms).double().square().sum()
-    return total
-
-
 @torch.no_grad()
 def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGroup],
                 device: torch.device | None = None,
@@ -64,27 +54,19 @@ def global_norm(pairs, state: ParallelState | None, groups: list[dist.ProcessGro
     if device is None:
         device = pairs[0][1].device if pairs else torch.device("cpu")
     split = expert_groups is not None
-    dense = [g for p, g in pairs if not (split and getattr(p, "expert_parallel", False))
-             and counted(p, state)]
-    total = _sum_squares(dense, device)
-    for group in groups:
-        if group is not None:
-            _collectives.all_reduce_sum_(total, group)
-    if split:
-        experts = _sum_squares([g for p, g in pairs if getattr(p, "expert_parallel", False)],
-                               device)
-        for group in expert_groups:
-            _collectives.all_reduce_sum_(experts, group)
-        total += experts
-    return math.sqrt(float(total))  # the one host synchronization
+    dense = [g.detach() for p, g in pairs
+             if not (split and getattr(p, "expert_parallel", False)) and counted(p, state)]
+    experts = [g.detach() for p, g in pairs if split and getattr(p, "expert_parallel", False)]
+    return torch.ops.mapp.global_grad_norm(
+        dense, [g.group_name for g in groups if g is not None], experts,
+        [g.group_name for g in expert_groups or [] if g is not None], split, device)
 
 
 @torch.no_grad()
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     """Scales `grads` in place so that a total norm of `norm` becomes at most
     `max_norm` (no-op when ``max_norm <= 0`` or the norm is already below)."""
-    if max_norm > 0 and norm > max_norm and grads:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    torch.ops.mapp.clip_grads_(list(grads), float(max_norm), float(norm))
 
 
 def clip_grad_norm_(pairs, max_norm: float, state: ParallelState | None,
