@@ -2,7 +2,8 @@
 #include "mapp/torch/checkpoint_engine.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -532,6 +533,10 @@ struct CheckpointLoader::Job {
   std::vector<std::int64_t> box_shape, start, size;
   at::Tensor dview;
   bool whole;  // the stored piece is exactly this destination box
+  // A device destination: the stream current in the caller's thread when the
+  // read was queued. The copy is issued on it, so it is ordered after the
+  // destination's producers and before whatever the caller runs next on it.
+  std::optional<c10::Stream> stream;
 };
 
 CheckpointLoader::CheckpointLoader(std::string path, const std::string& metadata_json,
@@ -691,6 +696,9 @@ void CheckpointLoader::into(const std::string& name, const std::string& kind,
   if (!dest.is_contiguous()) fail(path_ + ": '" + name + "': destination is not contiguous");
   const at::Tensor dflat = dest.reshape(-1);
   const bool dcpu = dflat.device().is_cpu();
+  std::optional<c10::Stream> stream;
+  if (!dcpu)
+    stream = c10::impl::VirtualGuardImpl(dflat.device().type()).getStream(dflat.device());
   std::vector<Job> jobs;
   std::int64_t covered = 0;
   for (const std::size_t i : it->second) {
@@ -708,7 +716,7 @@ void CheckpointLoader::into(const std::string& name, const std::string& kind,
         dflat.scalar_type() == e.dtype && dcpu) {  // saved under this layout: read in place
       covered += dflat.numel();
       jobs.push_back({&f, pc.key, e.offset, e.dtype, {dflat.numel()}, {0}, {dflat.numel()},
-                      dflat, true});
+                      dflat, true, stream});
       continue;
     }
     for (const Box& pb : boxes_of(pshape, plo, phi)) {
@@ -734,7 +742,7 @@ void CheckpointLoader::into(const std::string& name, const std::string& kind,
         const bool whole = size == pb.size && prod(pb.size) == phi - plo &&
                            dview.is_contiguous() && dview.scalar_type() == e.dtype && dcpu;
         jobs.push_back({&f, pc.key, e.offset + pb.offset * item, e.dtype, pb.size, src, size,
-                        dview, whole});
+                        dview, whole, stream});
       }
     }
   }
@@ -760,8 +768,8 @@ void CheckpointLoader::run_job(const Job& job) {
     }
     return;
   }
-  std::optional<c10::DeviceGuard> guard;
-  if (!job.dview.device().is_cpu()) guard.emplace(job.dview.device());
+  std::optional<c10::StreamGuard> guard;  // sets the device too
+  if (job.stream) guard.emplace(*job.stream);
   copy_box(f, job.box_off, job.dtype, strides_of(job.box_shape), job.start, job.size, job.dview);
   if (options_.verify) {
     bool first;

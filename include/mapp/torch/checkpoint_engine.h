@@ -154,7 +154,9 @@ class CheckpointLoader {
   // Queues filling `dest` (contiguous; this rank's `tp` region of the global
   // tensor `name` of shape `global_shape`, or the flat range `flat` of that
   // region) from the stored pieces. Shapes, coverage and piece sizes are
-  // checked here; the reads start at once on the pool.
+  // checked here; the reads start at once on the pool. A device `dest` is
+  // written on the stream current here (the workers set device and stream),
+  // so work the caller queues on that stream after wait() sees the values.
   void into(const std::string& name, const std::string& kind, const at::Tensor& dest,
             const std::optional<TpSlice>& tp, const std::vector<std::int64_t>& global_shape,
             const std::optional<std::pair<std::int64_t, std::int64_t>>& flat = std::nullopt);
