@@ -474,17 +474,14 @@ void register_checkpoint(py::module_& m) {
         py::arg("tensors"), py::arg("metadata"), py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_name", &mapp::checkpoint_name, py::arg("iteration"));
   m.def("checkpoint_begin", &mapp::begin_checkpoint, py::arg("directory"), py::arg("name"));
-  m.def("checkpoint_write_rank_files", &mapp::write_rank_files, py::arg("tmp"), py::arg("rank"),
+  m.def("checkpoint_write_rank_files", &mapp::write_rank_files, py::arg("directory"),
+        py::arg("name"), py::arg("rank"),
         py::arg("tensors"), py::arg("pieces_json"), py::arg("ddp_json"), py::arg("metadata"),
         py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_commit", &mapp::commit_checkpoint, py::arg("directory"), py::arg("name"),
         py::arg("meta_json"), py::arg("world"), py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_latest", &mapp::latest_checkpoint, py::arg("directory"));
   m.def("checkpoint_read_metadata", &mapp::read_checkpoint_metadata, py::arg("directory_or_path"));
-  static const std::map<at::ScalarType, const char*> codes = {
-      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"},
-      {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"}, {at::kChar, "I8"},
-      {at::kByte, "U8"},    {at::kBool, "BOOL"}};
   py::class_<mapp::TensorFile>(m, "CheckpointTensorFile")
       .def(py::init<std::string>(), py::arg("path"))
       .def_property_readonly("path", &mapp::TensorFile::path)
@@ -492,7 +489,7 @@ void register_checkpoint(py::module_& m) {
       .def("keys", &mapp::TensorFile::keys)
       .def("entry", [](const mapp::TensorFile& f, const std::string& key) {
         const auto& e = f.entry(key);
-        return py::make_tuple(codes.at(e.dtype), e.shape, e.offset, e.nbytes);
+        return py::make_tuple(e.dtype, e.shape, e.offset, e.nbytes);  // dtype: a torch.dtype
       }, py::arg("key"))
       .def("tensor", &mapp::TensorFile::tensor, py::arg("key"), py::arg("verify") = true,
            py::call_guard<py::gil_scoped_release>());

@@ -75,10 +75,14 @@ std::vector<Param> params_of(const std::vector<CheckpointChunk>& chunks) {
   return out;
 }
 
-json tp_slice(const Param& p, const dist::ParallelState& st) {
-  if (!p.attrs.tensor_parallel || p.attrs.partition_dim < 0) return nullptr;
+std::optional<TpSlice> slice_of(const Param& p, const dist::ParallelState& st) {
+  if (!p.attrs.tensor_parallel || p.attrs.partition_dim < 0) return std::nullopt;
   const std::int64_t n = p.tensor.size(p.attrs.partition_dim);
-  return json::array({p.attrs.partition_dim, st.tp_rank() * n, (st.tp_rank() + 1) * n});
+  return TpSlice{p.attrs.partition_dim, st.tp_rank() * n, (st.tp_rank() + 1) * n};
+}
+
+json slice_json(const std::optional<TpSlice>& sl) {  // metadata.json's "tp_slice"
+  return sl ? json::array({sl->dim, sl->lo, sl->hi}) : json(nullptr);
 }
 
 std::vector<std::int64_t> global_shape(const Param& p, const dist::ParallelState& st) {
@@ -88,15 +92,9 @@ std::vector<std::int64_t> global_shape(const Param& p, const dist::ParallelState
   return shape;
 }
 
-std::optional<TpSlice> slice_of(const Param& p, const dist::ParallelState& st) {
-  const json sl = tp_slice(p, st);
-  if (sl.is_null()) return std::nullopt;
-  return TpSlice{sl[0].get<std::int64_t>(), sl[1].get<std::int64_t>(), sl[2].get<std::int64_t>()};
-}
-
 bool owns_model_copy(const Param& p, const dist::ParallelState& st) {
   if (st.dp_rank() != 0 || st.cp_rank() != 0 || p.attrs.shared_embedding_replica) return false;
-  return !tp_slice(p, st).is_null() || st.tp_rank() == 0;
+  return slice_of(p, st).has_value() || st.tp_rank() == 0;
 }
 
 std::string source_name(const Param& p) {  // the replica loads the first stage's copy
@@ -134,7 +132,6 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
   const int rank = st.rank();
   if (rank == 0) begin_checkpoint(dir, name);
   barrier(st);
-  const std::string tmp = (fs::path(dir) / (".tmp." + name)).string();
   const std::vector<Param> params = params_of(chunks);
   const std::string fname = "rank" + std::to_string(rank) + ".safetensors";
   Named tensors;
@@ -151,7 +148,7 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
                      {"kind", kind},
                      {"global_shape", global_shape(p, st)},
                      {"dtype", torch_dtype_name(t.scalar_type())},
-                     {"tp_slice", tp_slice(p, st)},
+                     {"tp_slice", slice_json(slice_of(p, st))},
                      {"flat", flat_range},
                      {"file", fname},
                      {"key", key}});
@@ -179,7 +176,7 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
                  "parameter that is in none of the chunks");
       const Param& p = *it->second;
       if (p.attrs.shared_embedding_replica) continue;
-      if (tp_slice(p, st).is_null() && st.tp_rank() != 0) continue;
+      if (!slice_of(p, st) && st.tp_rank() != 0) continue;
       piece(p, "main", sh.lo, sh.main);
       if (const auto* s = find_state(options.distributed->inner(), sh.main)) {
         piece(p, "exp_avg", sh.lo, s->exp_avg());
@@ -202,7 +199,7 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
     for (const auto& [key, t] : ddp->codec_state())
       tensors.emplace_back("rank/ddp" + std::to_string(ci) + "/" + key, t);
   }
-  write_rank_files(tmp, rank, tensors, index.dump(), ddp_meta.dump(),
+  write_rank_files(dir, name, rank, tensors, index.dump(), ddp_meta.dump(),
                    {{"rank", std::to_string(rank)}, {"iteration", std::to_string(iteration)}});
   barrier(st);
   std::string final_path;

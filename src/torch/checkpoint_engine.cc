@@ -434,17 +434,19 @@ std::string begin_checkpoint(const std::string& dir, const std::string& name) {
   return tmp.string();
 }
 
-std::int64_t write_rank_files(const std::string& tmp, int rank, const Named& tensors,
-                              const std::string& pieces_json, const std::string& ddp_json,
+std::int64_t write_rank_files(const std::string& dir, const std::string& name, int rank,
+                              const Named& tensors, const std::string& pieces_json,
+                              const std::string& ddp_json,
                               const std::vector<std::pair<std::string, std::string>>& metadata) {
+  const fs::path tmp = fs::path(dir) / (".tmp." + name);
   const std::string r = std::to_string(rank);
   const std::int64_t nbytes =
-      write_safetensors((fs::path(tmp) / ("rank" + r + ".safetensors")).string(), tensors, metadata);
+      write_safetensors((tmp / ("rank" + r + ".safetensors")).string(), tensors, metadata);
   json index = {{"rank", rank},
                 {"pieces", json::parse(pieces_json)},
                 {"ddp", json::parse(ddp_json)},
                 {"bytes", nbytes}};
-  write_text((fs::path(tmp) / ("index.rank" + r + ".json")).string(), index.dump());
+  write_text((tmp / ("index.rank" + r + ".json")).string(), index.dump());
   return nbytes;
 }
 
@@ -565,7 +567,6 @@ CheckpointLoader::CheckpointLoader(std::string path, const std::string& metadata
         p.hi = f[1];
       }
       by_key_[{p.name, p.kind}].push_back(pieces_.size());
-      kinds_[p.name].insert(p.kind);
       pieces_.push_back(std::move(p));
     }
   } catch (const std::exception& e) {
@@ -590,6 +591,7 @@ CheckpointLoader::~CheckpointLoader() {
 void CheckpointLoader::worker() {
   for (;;) {
     std::function<void()> work;
+    bool skip;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -597,19 +599,15 @@ void CheckpointLoader::worker() {
       work = std::move(queue_.front());
       queue_.pop_front();
       ++running_;
+      skip = error_ != nullptr;  // after a failure, the rest is not worth reading
     }
     std::exception_ptr err;
-    {
-      bool skip;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        skip = error_ != nullptr;  // after a failure, the rest is not worth reading
+    if (!skip) {
+      try {
+        work();
+      } catch (...) {
+        err = std::current_exception();
       }
-      if (!skip) try {
-          work();
-        } catch (...) {
-          err = std::current_exception();
-        }
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -664,9 +662,11 @@ bool CheckpointLoader::has(const std::string& name, const std::string& kind) con
 }
 
 std::vector<std::string> CheckpointLoader::kinds(const std::string& name) const {
-  const auto it = kinds_.find(name);
-  if (it == kinds_.end()) return {};
-  return {it->second.begin(), it->second.end()};
+  std::vector<std::string> out;  // by_key_ is ordered by (name, kind)
+  for (auto it = by_key_.lower_bound({name, ""}); it != by_key_.end() && it->first.first == name;
+       ++it)
+    out.push_back(it->first.second);
+  return out;
 }
 
 at::Tensor CheckpointLoader::scalar(const std::string& name, const std::string& kind) {

@@ -35,10 +35,12 @@ PATH = os.path.join(HERE, "data", "golden_runs.json")
 TRAIN_GPT = os.path.join(ROOT, "build", "py", "examples", "train_gpt")
 STEPS = 3
 
+#: the run, as both trainers take it
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "3e-3", "--lr-warmup-iters", "1", "--train-iters", str(STEPS), "--seed", "3",
-        "--eval-iters", "0", "--no-progress", "--log-interval", "1000", "--no-watchdog"]
+        "--lr", "3e-3", "--lr-warmup-iters", "1", "--train-iters", str(STEPS), "--seed", "3"]
+#: pretrain_gpt.py only: no evaluation, progress bar, logging or watchdog
+PYTHON_ONLY = ["--eval-iters", "0", "--no-progress", "--log-interval", "1000", "--no-watchdog"]
 PP4 = ["--num-layers", "4"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
@@ -143,7 +145,7 @@ def _python_body(rank, world, flags, out_dir):
             seen["params"] = _crc(params)
             seen["optimizer"] = _crc(_optimizer_tensors(run.optimizer))
 
-    s = train(build_parser().parse_args(BASE + flags + ["--output-dir", out_dir]),
+    s = train(build_parser().parse_args(BASE + PYTHON_ONLY + flags + ["--output-dir", out_dir]),
               hooks=[Capture()])
     return {"loss": [float(x).hex() for x in s["losses"]],
             "grad_norm": [float(h["grad_norm"]).hex() for h in s["history"]],
@@ -154,18 +156,13 @@ def _cpp_run(world, flags, out_dir) -> dict:
     import csv
 
     from dist_harness import free_port
+    from megatronapp.data import default_corpus
 
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "loss.csv")
-    from megatronapp.data import default_corpus
-
-    argv = [f for f in BASE if f not in ("--no-progress", "--no-watchdog")]
-    for flag in ("--eval-iters", "--log-interval"):
-        i = argv.index(flag)
-        del argv[i:i + 2]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                         str(world), "--master-addr", "127.0.0.1", "--master-port",
-                        str(free_port()), "--no-python", TRAIN_GPT, *argv, *flags,
+                        str(free_port()), "--no-python", TRAIN_GPT, *BASE, *flags,
                         "--data-path", default_corpus(), "--loss-csv", path],
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:

@@ -101,10 +101,11 @@ std::string checkpoint_name(std::int64_t iteration);
 // Rank 0, before any rank writes: <dir> exists and <dir>/.tmp.<name> is new
 // and empty. Returns the temporary directory.
 std::string begin_checkpoint(const std::string& dir, const std::string& name);
-// Any rank: writes <tmp>/rank<R>.safetensors (the tensors, with `metadata`)
-// and <tmp>/index.rank<R>.json {"rank", "pieces", "ddp", "bytes"}, both
-// fsynced. `pieces_json` / `ddp_json` are JSON arrays. Returns the bytes.
-std::int64_t write_rank_files(const std::string& tmp, int rank,
+// Any rank, after begin_checkpoint: writes rank<R>.safetensors (the tensors,
+// with `metadata`) and index.rank<R>.json {"rank", "pieces", "ddp", "bytes"}
+// into <dir>/.tmp.<name>, both fsynced. `pieces_json` / `ddp_json` are JSON
+// arrays. Returns the bytes of the tensor file.
+std::int64_t write_rank_files(const std::string& dir, const std::string& name, int rank,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                               const std::string& pieces_json, const std::string& ddp_json,
                               const std::vector<std::pair<std::string, std::string>>& metadata);
@@ -180,7 +181,6 @@ class CheckpointLoader {
   std::string path_;
   LoaderOptions options_;
   std::map<std::pair<std::string, std::string>, std::vector<std::size_t>> by_key_;
-  std::map<std::string, std::set<std::string>> kinds_;
   struct Piece {
     std::string name, kind, file, key;
     std::vector<std::int64_t> global_shape;

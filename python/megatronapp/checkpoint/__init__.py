@@ -204,7 +204,6 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
     rank = dist.get_rank()
     name = _C.checkpoint_name(iteration)
     final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".tmp.{name}")
     if rank == 0:
         with engine_errors():
             _C.checkpoint_begin(directory, name)
@@ -250,8 +249,8 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
     _SAVE_SEQ[0] += 1
     sync = _StoreRendezvous(f"mapp_ckpt/{_SAVE_SEQ[0]}/", rank, dist.get_world_size())
-    job = _CommitJob(directory, name, tmp, final, fname, tensors, index, ddp_meta, rank,
-                     iteration, config, extra, state, len(chunks), sync, t0)
+    job = _CommitJob(directory, name, final, tensors, index, ddp_meta, rank, iteration, config,
+                     extra, state, len(chunks), sync, t0)
     if async_save:
         _PENDING = AsyncSave(job)
         return _PENDING
@@ -316,16 +315,16 @@ def wait_pending() -> None:
 
 
 class _CommitJob:
-    def __init__(self, directory, name, tmp, final, fname, tensors, index, ddp_meta, rank,
-                 iteration, config, extra, state, nchunks, sync, t0):
+    def __init__(self, directory, name, final, tensors, index, ddp_meta, rank, iteration,
+                 config, extra, state, nchunks, sync, t0):
         self.__dict__.update(locals())
         del self.__dict__["self"]
 
     def run(self) -> None:
-        directory, name, tmp, rank = self.directory, self.name, self.tmp, self.rank
+        directory, name, rank = self.directory, self.name, self.rank
         with engine_errors():
             _C.checkpoint_write_rank_files(
-                tmp, rank, list(self.tensors.items()), json.dumps(self.index),
+                directory, name, rank, list(self.tensors.items()), json.dumps(self.index),
                 json.dumps(self.ddp_meta), [("rank", str(rank)), ("iteration", str(self.iteration))])
         self.tensors = None
         self.sync.arrive("written")

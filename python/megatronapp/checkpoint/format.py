@@ -54,7 +54,8 @@ def read(path: str, names=None) -> tuple[dict, dict]:
         f = _C.CheckpointTensorFile(path)
         keys = f.keys()
         if names is not None:
-            missing = [k for k in names if k not in set(keys)]
+            stored = set(keys)
+            missing = [k for k in names if k not in stored]
             if missing:
                 raise CheckpointError(f"{path}: no tensor(s) {missing[:5]} in this file")
             keys = list(names)

@@ -41,10 +41,6 @@ __all__ = ["TensorFile", "StreamLoader", "DEFAULT_BUDGET"]
 #: Largest read buffer one worker holds (bytes).
 DEFAULT_BUDGET = 64 << 20
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
 
 class TensorFile:
     """A safetensors file opened for positioned reads (header parsed and
@@ -57,8 +53,8 @@ class TensorFile:
         self.metadata = dict(self._f.metadata)
         self.entries = {}
         for key in self._f.keys():
-            code, shape, offset, nbytes = self._f.entry(key)
-            self.entries[key] = (_DTYPES[code], list(shape), offset, nbytes)
+            dtype, shape, offset, nbytes = self._f.entry(key)
+            self.entries[key] = (dtype, list(shape), offset, nbytes)
 
     def close(self) -> None:
         self._f = None
