@@ -5,43 +5,38 @@ executor (BI / W actions) and by data-parallel hooks (:func:`is_deferred`).
 
 Zero-bubble schedules run a microbatch's backward in two actions: BI computes
 the gradient of the stage's input (what the previous stage waits for) and W,
-later, the weight gradients. Linear layers route through
-:func:`linear`, whose backward always returns the input gradient and, while a
-:func:`deferring` context is active, stores a closure for its weight gradient
-instead of computing it. :func:`run` evaluates the stored closures and
-accumulates them through autograd (so post-accumulate hooks, e.g. DDP's, fire
-as usual). Parameters without a deferrable layer (LayerNorm, embeddings,
-biases) get their gradients in BI; the matmul weight gradients — about half of
-the backward FLOPs — move to W.
+later, the weight gradients. Linear layers route through :func:`linear`
+(``torch.ops.mapp.deferrable_linear``, a C++ autograd function), whose
+backward always returns the input gradient and, while a :func:`deferring`
+context is active, stores a closure for its weight gradient instead of
+computing it. :func:`run` evaluates the stored closures and accumulates them
+through autograd (so post-accumulate hooks, e.g. DDP's, fire as usual).
+Parameters without a deferrable layer (LayerNorm, embeddings, biases) get
+their gradients in BI; the matmul weight gradients — about half of the
+backward FLOPs — move to W.
 
-The store is a module global rather than thread-local on purpose: autograd
-runs CUDA backward functions on its own device threads.
+The store, the active store and the deferral are the C++ engine's
+(``mapp::nn`` in ``src/torch/nn.cc``; C++ trainers use the same): this module
+binds them. The active store is process-wide rather than thread-local on
+purpose: autograd runs CUDA backward functions on its own device threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import torch.nn.functional as F
-
 import torch
+
+from . import _C
 
 __all__ = ["linear", "deferring", "defer", "is_deferred", "run", "WeightGradStore",
            "weight_and_bias_grads"]
 
+#: The closures of deferred weight gradients of one backward pass (``len``:
+#: how many); filled inside :func:`deferring`, emptied by :func:`run`.
+WeightGradStore = _C.WeightGradStore
 
-class WeightGradStore:
-    """Closures of deferred weight gradients of one backward pass."""
-
-    def __init__(self) -> None:
-        self.items: list = []  # (param, closure returning its gradient)
-        self.deferred: set = set()  # ids of the parameters in items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-_ACTIVE: WeightGradStore | None = None
+_ACTIVE: WeightGradStore | None = None  # keeps the engine's active store alive
 
 
 @contextlib.contextmanager
@@ -49,10 +44,12 @@ def deferring(store: WeightGradStore):
     """Inside, deferrable layers put their weight gradients into `store`."""
     global _ACTIVE
     previous, _ACTIVE = _ACTIVE, store
+    _C.set_active_weight_grad_store(store)
     try:
         yield store
     finally:
         _ACTIVE = previous
+        _C.set_active_weight_grad_store(previous)
 
 
 def defer(param: torch.Tensor, wgrad) -> bool:
@@ -60,47 +57,20 @@ def defer(param: torch.Tensor, wgrad) -> bool:
     returns `param`'s gradient) for :func:`run` and returns True; outside one
     returns False and the caller computes the gradient now. This is the hook
     for custom autograd functions that want their weight gradient split off."""
-    store = _ACTIVE
-    if store is None:
-        return False
-    store.items.append((param, wgrad))
-    store.deferred.add(id(param))
-    return True
+    return _C.defer_weight_grad(param, wgrad)
 
 
 def is_deferred(param: torch.Tensor) -> bool:
     """True inside a deferring backward for a parameter whose gradient was put
     aside. Autograd still runs post-accumulate hooks of such a parameter (with
     no gradient), so hooks that mark gradients ready must check this."""
-    return _ACTIVE is not None and id(param) in _ACTIVE.deferred
+    return _C.is_weight_grad_deferred(param)
 
 
 def run(store: WeightGradStore) -> None:
     """Computes the stored weight gradients and accumulates them into ``.grad``
     through autograd (hooks run). Empties the store."""
-    if not store.items:
-        return
-    params, grads = [], []
-    for p, fn in store.items:
-        params.append(p)
-        grads.append(fn())
-    store.items.clear()
-    store.deferred.clear()
-    torch.autograd.backward(params, grads)
-
-
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        return (dx, *weight_and_bias_grads(ctx, dy, lambda: x, weight))
+    _C.run_weight_grads(store)
 
 
 def weight_and_bias_grads(ctx, dy: torch.Tensor, inputs, weight: torch.Tensor) -> tuple:
@@ -127,6 +97,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     meta = getattr(weight, "fp8_meta", None)
     if meta is not None:
         return meta.linear(x, weight, bias)
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    return torch.ops.mapp.deferrable_linear(x, weight, bias)

@@ -20,6 +20,7 @@
 #include "mapp/torch/checkpoint_engine.h"
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
+#include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
 
 namespace py = pybind11;
@@ -522,6 +523,35 @@ void register_checkpoint(py::module_& m) {
       .def_property_readonly("verify", &mapp::CheckpointLoader::verify);
 }
 
+// The deferred weight gradients of zero-bubble schedules (nn.h): the store,
+// the process-wide active store and the deferral of a Python closure (custom
+// autograd functions' weight gradients), all kept by the C++ engine.
+void register_weight_grads(py::module_& m) {
+  namespace nn = mapp::nn;
+  py::class_<nn::WeightGradStore, std::shared_ptr<nn::WeightGradStore>>(m, "WeightGradStore")
+      .def(py::init<>())
+      .def("__len__", &nn::WeightGradStore::size);
+  // Returns nothing: the Python front-end keeps the previous store alive.
+  m.def("set_active_weight_grad_store",
+        [](nn::WeightGradStore* store) { nn::set_active_weight_grad_store(store); },
+        py::arg("store").none(true));
+  m.def("defer_weight_grad", [](const at::Tensor& param, py::function wgrad) {
+    // The closure may be called, and is destroyed, on a thread without the GIL.
+    std::shared_ptr<py::function> fn(new py::function(std::move(wgrad)), [](py::function* f) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    });
+    return nn::defer(param, [fn] {
+      py::gil_scoped_acquire gil;
+      return (*fn)().cast<at::Tensor>();
+    });
+  }, py::arg("param"), py::arg("wgrad"));
+  m.def("is_weight_grad_deferred", &nn::is_deferred, py::arg("param"));
+  // Autograd's engine must be entered without the GIL.
+  m.def("run_weight_grads", &nn::run_weight_grads, py::arg("store"),
+        py::call_guard<py::gil_scoped_release>());
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "MegatronApp native core (topology, tunables, logging); tensor ops are "
             "torch.ops.mapp.*";
@@ -533,4 +563,5 @@ PYBIND11_MODULE(_C, m) {
   register_data(m);
   register_backend(m);
   register_checkpoint(m);
+  register_weight_grads(m);
 }

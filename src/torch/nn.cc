@@ -287,8 +287,12 @@ struct DeferrableLinearNoBias : torch::autograd::Function<DeferrableLinearNoBias
 };
 }  // namespace
 
-DeferringGuard::DeferringGuard(WeightGradStore& store) : previous_(active_store.exchange(&store)) {}
-DeferringGuard::~DeferringGuard() { active_store.store(previous_); }
+WeightGradStore* set_active_weight_grad_store(WeightGradStore* store) {
+  return active_store.exchange(store);
+}
+DeferringGuard::DeferringGuard(WeightGradStore& store)
+    : previous_(set_active_weight_grad_store(&store)) {}
+DeferringGuard::~DeferringGuard() { set_active_weight_grad_store(previous_); }
 
 bool defer(const at::Tensor& param, std::function<at::Tensor()> wgrad) {
   WeightGradStore* store = active_store.load();

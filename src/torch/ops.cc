@@ -489,6 +489,8 @@ TORCH_LIBRARY(mapp, m) {
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group_name, "
       "int ignore_index=-100) -> Tensor");
+  // y = x W^T + b whose weight gradient a zero-bubble BI defers (nn::linear).
+  m.def("deferrable_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 // Collectives are device-generic: c10d picks the backend from the tensor.
@@ -520,6 +522,10 @@ TORCH_LIBRARY_IMPL(mapp, CompositeImplicitAutograd, m) {
     return mapp::nn::reduce_scatter_to_sequence_parallel(x, group);
   });
   m.impl("vocab_parallel_cross_entropy", &mapp::nn::vocab_parallel_cross_entropy);
+  m.impl("deferrable_linear",
+         [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+           return mapp::nn::linear(x, weight, bias.value_or(at::Tensor()));
+         });
 }
 
 TORCH_LIBRARY_IMPL(mapp, CPU, m) {

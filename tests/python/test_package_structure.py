@@ -180,6 +180,12 @@ ONE_ENGINE = {
          "VocabParallelCE", "_CopyToRegion", "_ReduceFromRegion", "_GatherFromRegion",
          "_ScatterToRegion", "_ReduceScatterToRegion", "_VocabParallelCrossEntropy"),
     ),
+    "deferred weight gradients (the zero-bubble linear and its store)": (
+        "src/torch/nn.cc",
+        # the active store, the store's entries, a linear autograd function of its own
+        ("active_store", "class _Linear", "store.items", ".deferred.add(",
+         "items_.emplace_back"),
+    ),
 }
 
 

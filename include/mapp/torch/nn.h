@@ -87,6 +87,7 @@ class WeightGradStore {
 
  private:
   friend class DeferringGuard;
+  friend WeightGradStore* set_active_weight_grad_store(WeightGradStore*);
   friend bool defer(const at::Tensor&, std::function<at::Tensor()>);
   friend bool is_deferred(const at::Tensor&);
   friend void run_weight_grads(WeightGradStore&);
@@ -105,6 +106,10 @@ class DeferringGuard {
  private:
   WeightGradStore* previous_;
 };
+
+// Makes `store` (nullptr: none) the active store and returns the previous
+// one (front-ends without RAII scopes: the Python `deferring` context).
+WeightGradStore* set_active_weight_grad_store(WeightGradStore* store);
 
 // Inside a deferring backward: stores `wgrad` (returns `param`'s gradient)
 // and returns true; outside one returns false (compute the gradient now).
