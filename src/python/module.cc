@@ -18,6 +18,7 @@
 #include "mapp/trace/tracer.h"
 #include "mapp/torch/backend.h"
 #include "mapp/torch/checkpoint_engine.h"
+#include "mapp/torch/ddp.h"
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/nn.h"
@@ -552,6 +553,86 @@ void register_weight_grads(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
 }
 
+// The gradient reducer (ddp.h), under megatronapp.distributed.DistributedDataParallel.
+void register_reducer(py::module_& m) {
+  using mapp::GradBucket;
+  using mapp::GradReducer;
+  auto opt = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  py::class_<GradBucket>(m, "GradBucket")
+      .def_readonly("index", &GradBucket::index)
+      .def_readonly("params", &GradBucket::params)
+      .def_readonly("offsets", &GradBucket::offsets)
+      .def_readonly("numel", &GradBucket::numel)
+      .def_readonly("dtype", &GradBucket::dtype)  // a torch.dtype
+      .def_readonly("grad_data", &GradBucket::grad_data)
+      .def_readonly("main_grads", &GradBucket::main_grads)
+      .def_property_readonly("param_data", [opt](const GradBucket& b) { return opt(b.param_data); })
+      .def_property_readonly("shard", [opt](const GradBucket& b) { return opt(b.shard); })
+      .def_readonly("layout", &GradBucket::layout)
+      .def_readonly("state", &GradBucket::state)
+      .def_readonly("exact", &GradBucket::exact)
+      .def_readonly("expert", &GradBucket::expert)
+      .def_readonly("group_name", &GradBucket::group)
+      .def_property_readonly("raw_bytes", [](const GradBucket& b) { return b.stats.raw_bytes; })
+      .def_property_readonly("sent_bytes", [](const GradBucket& b) { return b.stats.sent_bytes; })
+      .def_property_readonly("gather_in_flight", [](const GradBucket& b) { return bool(b.gather); });
+  py::class_<GradReducer>(m, "GradReducer")
+      .def(py::init([](std::vector<at::Tensor> params, const std::vector<bool>& exact,
+                       const std::vector<bool>& expert, const std::vector<bool>& own_bucket,
+                       mapp::ReducerOptions options) {
+             MAPP_CHECK(exact.size() == params.size() && expert.size() == params.size() &&
+                            own_bucket.size() == params.size(),
+                        "GradReducer: one exact/expert/own_bucket flag per parameter");
+             std::vector<mapp::ReducerParam> ps;
+             for (std::size_t i = 0; i < params.size(); ++i)
+               ps.push_back({std::move(params[i]), exact[i], expert[i], own_bucket[i]});
+             return std::make_unique<GradReducer>(std::move(ps), std::move(options));
+           }),
+           py::arg("params"), py::arg("exact"), py::arg("expert"), py::arg("own_bucket"),
+           py::arg("options"))
+      .def("prepare_forward", &GradReducer::prepare_forward)
+      .def_property("sync", &GradReducer::sync, &GradReducer::set_sync)
+      .def_property("finish_at_backward_end", &GradReducer::finish_at_backward_end,
+                    &GradReducer::set_finish_at_backward_end)
+      .def("finish_grad_sync", &GradReducer::finish_grad_sync,
+           py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad_buffer", &GradReducer::zero_grad_buffer)
+      .def("enable_distributed_optimizer", &GradReducer::enable_distributed_optimizer)
+      .def_property_readonly("uses_distributed_optimizer",
+                             &GradReducer::uses_distributed_optimizer)
+      .def("start_param_sync", &GradReducer::start_param_sync,
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish_param_sync", &GradReducer::finish_param_sync, py::arg("buckets") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("gathers_pending", &GradReducer::gathers_pending)
+      .def_property_readonly("buckets", [](GradReducer& r) {
+        std::vector<GradBucket*> out;
+        for (auto& b : r.buckets()) out.push_back(&b);
+        return out;
+      }, py::return_value_policy::reference_internal)
+      .def("spec", &GradReducer::spec)
+      .def_property_readonly("synchronized_steps", &GradReducer::synchronized_steps)
+      .def("last_step_stats", [](const GradReducer& r) {
+        const auto st = r.last_step_stats();
+        return py::make_tuple(st.raw_bytes, st.sent_bytes);
+      })
+      .def("codec_state", &GradReducer::codec_state)
+      .def("load_codec_state", &GradReducer::load_codec_state, py::arg("tensors"),
+           py::arg("synchronized_steps"));
+  py::class_<mapp::ReducerOptions>(m, "ReducerOptions")
+      .def(py::init<>())
+      .def_readwrite("bucket_bytes", &mapp::ReducerOptions::bucket_bytes)
+      .def_readwrite("compression", &mapp::ReducerOptions::compression)
+      .def_readwrite("compression_start_iter", &mapp::ReducerOptions::compression_start_iter)
+      .def_readwrite("overlap_grad_reduce", &mapp::ReducerOptions::overlap_grad_reduce)
+      .def_readwrite("grad_reduce_in_fp32", &mapp::ReducerOptions::grad_reduce_in_fp32)
+      .def_readwrite("group", &mapp::ReducerOptions::group)
+      .def_readwrite("expert_group", &mapp::ReducerOptions::expert_group)
+      .def_readwrite("expert_scale", &mapp::ReducerOptions::expert_scale);
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "MegatronApp native core (topology, tunables, logging); tensor ops are "
             "torch.ops.mapp.*";
@@ -564,4 +645,5 @@ PYBIND11_MODULE(_C, m) {
   register_backend(m);
   register_checkpoint(m);
   register_weight_grads(m);
+  register_reducer(m);
 }

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -22,24 +23,29 @@
 #include "mapp/torch/compressed.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
+#include "mapp/trace/tracer.h"
 
 namespace mapp {
 namespace {
 
-// The post-accumulate-grad hook of one parameter: tells the DDP (if it still
-// exists) that the parameter's gradient for this backward is complete.
-class ReadyHook : public torch::autograd::PostAccumulateGradHook {
+// A post hook on a parameter's gradient accumulator (torch's Reducer hooks
+// the same place): added to autograd's node, so a user's own hooks stay.
+class ReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  ReadyHook(std::weak_ptr<bool> alive, std::function<void()> ready)
-      : alive_(std::move(alive)), ready_(std::move(ready)) {}
-  void operator()(const torch::autograd::Variable& param) override {
-    // A weight gradient put aside by a zero-bubble BI is not ready: its W is.
-    if (!alive_.expired() && !nn::is_deferred(param)) ready_();
+  ReadyHook(std::weak_ptr<bool> alive, GradReducer* reducer, std::size_t bucket,
+            std::size_t slot)
+      : alive_(std::move(alive)), reducer_(reducer), bucket_(bucket), slot_(slot) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (!alive_.expired()) reducer_->on_grad_ready(bucket_, slot_);
+    return outputs;
   }
 
  private:
   std::weak_ptr<bool> alive_;
-  std::function<void()> ready_;
+  GradReducer* reducer_;
+  std::size_t bucket_, slot_;
 };
 
 std::uint32_t fnv1a(const std::string& s) {
@@ -171,100 +177,65 @@ double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState&
   return finish_gradients(std::vector<DistributedDataParallel*>{&ddp}, state, max_norm);
 }
 
-// ---- DistributedDataParallel --------------------------------------------------------
+// ---- GradReducer ----------------------------------------------------------------------
 
-DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                                                 const dist::ParallelState& state,
-                                                 DDPOptions options)
-    : module_(std::move(module)),
-      options_(std::move(options)),
-      group_(state.data_context_group()),
-      alive_(std::make_shared<bool>(true)) {
-  MAPP_CHECK(module_ != nullptr, "DistributedDataParallel: null module");
-  MAPP_CHECK(options_.bucket_size_mb > 0, "DistributedDataParallel: bucket_size_mb must be ",
-             "positive, got ", options_.bucket_size_mb);
+GradReducer::GradReducer(std::vector<ReducerParam> params, ReducerOptions options)
+    : options_(std::move(options)), alive_(std::make_shared<bool>(true)) {
+  MAPP_CHECK(options_.bucket_bytes > 0, "GradReducer: the bucket size must be positive, got ",
+             options_.bucket_bytes, " bytes");
+  MAPP_CHECK(!options_.group.empty(), "GradReducer: no process group");
   codec::Spec::parse(options_.compression);  // a clear error for an unknown codec, here
-  exact_replicated_ = state.tp_size() > 1;
+  if (options_.expert_group.empty()) options_.expert_group = options_.group;
   at::NoGradGuard no_grad;
-  std::ostringstream desc;
-  for (const auto& p : module_->parameters()) {
-    MAPP_CHECK(p.scalar_type() == at::kFloat,
-               "DistributedDataParallel (C++): parameters must be float32, got ", p.scalar_type(),
-               "; mixed precision from C++ is not available yet");
-    desc << p.sizes() << p.requires_grad() << ';';
-  }
-  if (torch_ext::group_size(group_) > 1) {
-    // Every replica must hold the same model (else the buckets would not match).
-    const at::Tensor mine = at::full({1}, static_cast<std::int64_t>(fnv1a(desc.str())), at::kLong);
-    const at::Tensor all = torch_ext::all_gather(mine, 0, group_);
-    MAPP_CHECK(all.eq(all[0]).all().item<bool>(),
-               "DistributedDataParallel: the model differs across data-parallel ranks "
-               "(parameter shapes hash to different values: ",
-               all, "); every rank of the group must build the same model");
-    if (options_.broadcast_parameters) {
-      const bool root = torch_ext::group_rank(group_) == 0;
-      for (auto& p : module_->parameters()) {  // rank 0's values: x + 0 + ... = x
-        at::Tensor d = p.detach();
-        if (!root) d.zero_();
-        torch_ext::all_reduce_sum_(d, group_);
-      }
-    }
-  }
-  build_buckets();
-  std::weak_ptr<bool> alive = alive_;
-  for (std::size_t i = 0; i < buckets_.size(); ++i)
-    for (const auto& p : buckets_[i].params)
-      torch::autograd::impl::set_post_acc_grad_hooks(
-          p, std::make_unique<ReadyHook>(alive, [this, i] { on_grad_ready(i); }));
-}
-
-DistributedDataParallel::~DistributedDataParallel() {
-  alive_.reset();  // hooks that fire later do nothing
-  for (auto& b : buckets_)
-    if (b.handle) {
-      try {
-        b.handle->wait();
-      } catch (...) {  // a destructor must not throw; the error was the step's
-      }
-    }
-}
-
-void DistributedDataParallel::build_buckets() {
-  std::vector<at::Tensor> params;
-  for (const auto& p : module_->parameters())
-    if (p.requires_grad()) params.push_back(p);
   std::reverse(params.begin(), params.end());  // backward produces the last layers' first
-  const std::int64_t limit = static_cast<std::int64_t>(options_.bucket_size_mb * 1024 * 1024);
-  // Open buckets by key (exact), in order of first appearance (as Python's dict).
+  // Open buckets by key, in order of first appearance.
   struct Open {
-    bool exact;
+    at::ScalarType dtype;
+    bool exact, expert;
     std::vector<at::Tensor> params;
     std::int64_t bytes = 0;
   };
   std::vector<Open> open;
-  for (const auto& p : params) {
-    const nn::ParamAttrs attrs = nn::param_attrs(p);
-    if (attrs.shared_embedding) {  // own bucket: the same ZeRO-1 slice on both stages
-      add_bucket({p}, false);
+  for (auto& rp : params) {
+    MAPP_CHECK(rp.param.requires_grad() && rp.param.is_leaf(),
+               "GradReducer: parameters must be leaves that require grad");
+    if (rp.own_bucket) {
+      add_bucket({rp.param}, false, rp.expert);
       continue;
     }
-    const bool exact = exact_replicated_ && !attrs.tensor_parallel;
-    auto it =
-        std::find_if(open.begin(), open.end(), [&](const Open& o) { return o.exact == exact; });
-    if (it == open.end()) it = open.insert(open.end(), Open{exact, {}, 0});
-    it->params.push_back(p);
-    it->bytes += p.numel() * p.element_size();
-    if (it->bytes >= limit) {
-      add_bucket(std::move(it->params), exact);
+    const at::ScalarType dtype = rp.param.scalar_type();
+    auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) {
+      return o.dtype == dtype && o.exact == rp.exact && o.expert == rp.expert;
+    });
+    if (it == open.end()) it = open.insert(open.end(), Open{dtype, rp.exact, rp.expert, {}, 0});
+    it->params.push_back(rp.param);
+    it->bytes += rp.param.numel() * rp.param.element_size();
+    if (it->bytes >= options_.bucket_bytes) {
+      add_bucket(std::move(it->params), it->exact, it->expert);
       it->params.clear();
       it->bytes = 0;
     }
   }
   for (auto& o : open)
-    if (!o.params.empty()) add_bucket(std::move(o.params), o.exact);
+    if (!o.params.empty()) add_bucket(std::move(o.params), o.exact, o.expert);
+  hook_params();
 }
 
-void DistributedDataParallel::add_bucket(std::vector<at::Tensor> params, bool exact) {
+GradReducer::~GradReducer() {
+  alive_.reset();  // hooks that fire later do nothing
+  for (std::size_t i = 0; i < accumulators_.size(); ++i)
+    if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  for (auto& b : buckets_)
+    for (auto* work : {&b.handle, &b.gather})
+      if (*work) {
+        try {
+          (*work)->wait();
+        } catch (...) {  // a destructor must not throw; the error was the step's
+        }
+      }
+}
+
+void GradReducer::add_bucket(std::vector<at::Tensor> params, bool exact, bool expert) {
   GradBucket b;
   b.index = static_cast<int>(buckets_.size());
   for (const auto& p : params) {
@@ -273,57 +244,129 @@ void DistributedDataParallel::add_bucket(std::vector<at::Tensor> params, bool ex
     b.numel += p.numel();
   }
   b.params = std::move(params);
-  b.grad_data = at::zeros({b.numel}, b.params[0].options().requires_grad(false));
+  b.dtype = b.params[0].scalar_type();
+  const at::ScalarType grad_dtype = options_.grad_reduce_in_fp32 ? at::kFloat : b.dtype;
+  b.grad_data = at::zeros({b.numel}, b.params[0].options().dtype(grad_dtype).requires_grad(false));
   b.exact = exact;
-  b.group = group_;
+  b.expert = expert;
+  b.group = expert ? options_.expert_group : options_.group;
+  b.ready.assign(b.params.size(), 0);
+  if (b.keeps_main_grad())
+    for (std::size_t i = 0; i < b.params.size(); ++i)
+      b.main_grads.push_back(b.grad_data.slice(0, b.offsets[i], b.offsets[i] + b.params[i].numel())
+                                 .view(b.params[i].sizes()));
   buckets_.push_back(std::move(b));
-  attach_grads(buckets_.back());
+  attach_grads(buckets_.back(), /*zero=*/true);
 }
 
-void DistributedDataParallel::attach_grads(GradBucket& b) {
+void GradReducer::hook_params() {
+  std::size_t k = 0;
+  for (const auto& b : buckets_) k += b.params.size();
+  accumulators_.resize(k);
+  hook_keys_.resize(k);
+  k = 0;
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    for (std::size_t j = 0; j < buckets_[i].params.size(); ++j, ++k) {
+      const at::Tensor& p = buckets_[i].params[j];
+      // (a parameter frozen since has none: its bucket is submitted at the finish)
+      std::shared_ptr<torch::autograd::Node> acc =
+          p.requires_grad() ? torch::autograd::impl::grad_accumulator(p) : nullptr;
+      if (acc == accumulators_[k]) continue;
+      if (accumulators_[k]) accumulators_[k]->del_post_hook(hook_keys_[k]);
+      if (acc) hook_keys_[k] = acc->add_post_hook(std::make_unique<ReadyHook>(alive_, this, i, j));
+      accumulators_[k] = std::move(acc);
+    }
+}
+
+void GradReducer::attach_grads(GradBucket& b, bool zero) {
+  if (b.keeps_main_grad()) return;  // the main gradients are views for good
   for (std::size_t i = 0; i < b.params.size(); ++i) {
     auto& p = b.params[i];
     const at::Tensor view =
         b.grad_data.slice(0, b.offsets[i], b.offsets[i] + p.numel()).view(p.sizes());
     at::Tensor& grad = p.mutable_grad();
-    if (grad.defined() && grad.data_ptr() != view.data_ptr())
+    if (!grad.defined()) {
+      if (zero) view.zero_();
+    } else if (grad.data_ptr() != view.data_ptr()) {
       view.copy_(grad);  // the user replaced .grad: adopt its values
+    } else {
+      continue;
+    }
     grad = view;
   }
 }
 
-std::string DistributedDataParallel::spec_for(const GradBucket& b) const {
-  if (b.exact || options_.compression == "none" || sync_steps_ < options_.compression_start_iter)
+void GradReducer::prepare_forward() {
+  at::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& b : buckets_) {
+    attach_grads(b, /*zero=*/true);
+    std::fill(b.ready.begin(), b.ready.end(), 0);
+    b.n_ready = 0;
+    b.handle.reset();
+  }
+  next_bucket_ = 0;
+  started_ = false;
+  hook_params();
+}
+
+std::string GradReducer::spec() const {
+  if (options_.compression == "none" || sync_steps_ < options_.compression_start_iter)
     return "none";
   return options_.compression;
 }
 
-std::vector<at::Tensor>& DistributedDataParallel::codec_state_of(GradBucket& b,
-                                                                 const std::string& spec) {
+std::string GradReducer::spec_for(const GradBucket& b) const { return b.exact ? "none" : spec(); }
+
+std::vector<at::Tensor>& GradReducer::codec_state_of(GradBucket& b, const std::string& spec) {
   auto it = b.state.find(spec);
   if (it == b.state.end())
     it = b.state
              .emplace(spec, torch_ext::codec_state(codec::Spec::parse(spec), b.grad_data.numel(),
                                                    torch_ext::group_size(b.group), b.layout,
-                                                   b.index, b.grad_data.options()))
+                                                   b.index,
+                                                   at::TensorOptions().device(b.grad_data.device())))
              .first;
   return it->second;
 }
 
-void DistributedDataParallel::on_grad_ready(std::size_t bucket) {
-  if (!sync_) return;
-  started_ = true;
-  ++buckets_[bucket].ready;
+void GradReducer::on_grad_ready(std::size_t bucket, std::size_t slot) {
+  GradBucket& b = buckets_[bucket];
+  const at::Tensor& param = b.params[slot];
+  if (b.keeps_main_grad()) {
+    at::Tensor& grad = param.mutable_grad();
+    if (grad.defined()) {
+      at::NoGradGuard no_grad;
+      b.main_grads[slot].add_(grad);  // float32 accumulation
+      grad = at::Tensor();
+    }
+  }
+  // A weight gradient put aside by a zero-bubble BI is not ready: its W is.
+  if (!sync_ || nn::is_deferred(param)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!started_) {
+    started_ = true;
+    if (finish_at_backward_end_)
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_grad_sync(); });
+  }
+  if (!b.ready[slot]) {
+    b.ready[slot] = 1;
+    ++b.n_ready;
+  }
   if (!options_.overlap_grad_reduce) return;
   // Strictly in order, so every rank issues the same sequence of collectives.
   while (next_bucket_ < buckets_.size() &&
-         buckets_[next_bucket_].ready == static_cast<int>(buckets_[next_bucket_].params.size()))
+         buckets_[next_bucket_].n_ready == buckets_[next_bucket_].params.size())
     launch(buckets_[next_bucket_++]);
 }
 
-void DistributedDataParallel::launch(GradBucket& b) {
+void GradReducer::launch(GradBucket& b) {
+  at::NoGradGuard no_grad;
   const std::string spec = spec_for(b);
   std::vector<at::Tensor> state = codec_state_of(b, spec);
+  // Experts: summed over the ep ranks' tokens by the dispatcher already; the
+  // reduction averages over edp, and edp/dp more makes it 1/dp.
+  if (b.expert && options_.expert_scale != 1.0) b.grad_data.mul_(options_.expert_scale);
   torch_ext::CompressedOptions opts{codec::Spec::parse(spec), b.layout, /*average=*/true, b.group};
   b.handle = zero_ ? torch_ext::compressed_reduce_scatter_async(b.grad_data, b.shard,
                                                                 std::move(opts), std::move(state))
@@ -331,34 +374,43 @@ void DistributedDataParallel::launch(GradBucket& b) {
                                                             std::move(state));
 }
 
-void DistributedDataParallel::finish_grad_sync() {
-  if (!started_) return;  // no synchronized backward since the last finish
-  while (next_bucket_ < buckets_.size()) launch(buckets_[next_bucket_++]);
+void GradReducer::finish_grad_sync() {
+  // Parameters no forward touched this step (an expert without tokens) may
+  // still have their gather in flight: finished before the step's collectives.
+  finish_param_sync();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_) return;  // no synchronized backward since the last finish
+    started_ = false;
+    while (next_bucket_ < buckets_.size()) launch(buckets_[next_bucket_++]);
+    next_bucket_ = 0;
+    for (auto& b : buckets_) {
+      std::fill(b.ready.begin(), b.ready.end(), 0);
+      b.n_ready = 0;
+    }
+  }
   torch_ext::CommStats step;
+  trace::Scope scope("dp_wait", trace::Category::kCollective);  // the training thread waits
+  scope.event().lane = trace::kMainLane;
   for (auto& b : buckets_) {
     if (!b.handle) continue;
-    b.stats = b.handle->wait();
+    c10::intrusive_ptr<torch_ext::CommWork> work = std::move(b.handle);
     b.handle.reset();
+    b.stats = work->wait();
     step.raw_bytes += b.stats.raw_bytes;
     step.sent_bytes += b.stats.sent_bytes;
   }
-  for (auto& b : buckets_) b.ready = 0;
   step_stats_ = step;
-  next_bucket_ = 0;
-  started_ = false;
   ++sync_steps_;
 }
 
-void DistributedDataParallel::zero_grad_buffer() {
-  MAPP_CHECK(!started_, "DistributedDataParallel: zero_grad_buffer during a step whose ",
-             "reduction is not finished (call finish_grad_sync first)");
-  for (auto& b : buckets_) {
-    b.grad_data.zero_();
-    attach_grads(b);  // in case .grad was reset to undefined
-  }
+void GradReducer::zero_grad_buffer() {
+  MAPP_CHECK(!started_, "GradReducer: zero_grad_buffer during a step whose reduction is not ",
+             "finished (call finish_grad_sync first)");
+  for (auto& b : buckets_) b.grad_data.zero_();
 }
 
-void DistributedDataParallel::enable_distributed_optimizer() {
+void GradReducer::enable_distributed_optimizer() {
   if (zero_) return;
   zero_ = true;
   at::NoGradGuard no_grad;
@@ -370,8 +422,13 @@ void DistributedDataParallel::enable_distributed_optimizer() {
     at::Tensor grad = at::zeros({padded}, b.grad_data.options());
     grad.slice(0, 0, b.numel).copy_(b.grad_data);
     b.grad_data = grad;
-    for (auto& p : b.params) p.mutable_grad() = at::Tensor();
-    attach_grads(b);
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      b.params[i].mutable_grad() = at::Tensor();
+      if (b.keeps_main_grad())
+        b.main_grads[i] = grad.slice(0, b.offsets[i], b.offsets[i] + b.params[i].numel())
+                              .view(b.params[i].sizes());
+    }
+    attach_grads(b, /*zero=*/false);
     b.param_data = at::zeros({padded}, b.params[0].options().requires_grad(false));
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       auto& p = b.params[i];
@@ -384,7 +441,40 @@ void DistributedDataParallel::enable_distributed_optimizer() {
   }
 }
 
-std::map<std::string, at::Tensor> DistributedDataParallel::codec_state() {
+void GradReducer::start_param_sync() {
+  MAPP_CHECK(zero_, "start_param_sync needs ZeRO-1 buckets (a DistributedOptimizer)");
+  finish_param_sync();
+  for (auto& b : buckets_)
+    if (torch_ext::group_size(b.group) > 1)
+      b.gather = torch_ext::param_all_gather_async(b.param_data, b.group);
+  gathers_pending_ = std::any_of(buckets_.begin(), buckets_.end(),
+                                 [](const GradBucket& b) { return bool(b.gather); });
+}
+
+void GradReducer::finish_param_sync(const std::optional<std::vector<int>>& which) {
+  if (!gathers_pending_) return;
+  auto wait = [](GradBucket& b) {
+    if (!b.gather) return;
+    c10::intrusive_ptr<torch_ext::CommWork> work = std::move(b.gather);
+    b.gather.reset();
+    trace::Scope scope("param_gather_wait", trace::Category::kCollective);
+    scope.event().lane = trace::kMainLane;
+    work->wait();
+  };
+  if (which) {
+    for (int i : *which) {
+      MAPP_CHECK(i >= 0 && i < static_cast<int>(buckets_.size()), "finish_param_sync: bucket ", i,
+                 " out of range (", buckets_.size(), " buckets)");
+      wait(buckets_[i]);
+    }
+  } else {
+    for (auto& b : buckets_) wait(b);
+  }
+  gathers_pending_ = std::any_of(buckets_.begin(), buckets_.end(),
+                                 [](const GradBucket& b) { return bool(b.gather); });
+}
+
+std::map<std::string, at::Tensor> GradReducer::codec_state() {
   std::map<std::string, at::Tensor> out;
   for (auto& b : buckets_)
     for (auto& [spec, tensors] : b.state)
@@ -393,8 +483,8 @@ std::map<std::string, at::Tensor> DistributedDataParallel::codec_state() {
   return out;
 }
 
-void DistributedDataParallel::load_codec_state(const std::map<std::string, at::Tensor>& tensors,
-                                               int synchronized_steps) {
+void GradReducer::load_codec_state(const std::map<std::string, at::Tensor>& tensors,
+                                   int synchronized_steps) {
   at::NoGradGuard no_grad;
   sync_steps_ = synchronized_steps;
   for (const auto& [key, t] : tensors) {
@@ -412,6 +502,67 @@ void DistributedDataParallel::load_codec_state(const std::map<std::string, at::T
                "DistributedDataParallel: codec state '", key, "' does not fit this model");
     state[i].copy_(t);
   }
+}
+
+// ---- DistributedDataParallel (the C++ front-end) -----------------------------------------
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 const dist::ParallelState& state,
+                                                 DDPOptions options)
+    : module_(std::move(module)) {
+  MAPP_CHECK(module_ != nullptr, "DistributedDataParallel: null module");
+  MAPP_CHECK(options.bucket_size_mb > 0, "DistributedDataParallel: bucket_size_mb must be ",
+             "positive, got ", options.bucket_size_mb);
+  codec::Spec::parse(options.compression);  // a clear error for an unknown codec, here
+  const std::string group = state.data_context_group();
+  at::NoGradGuard no_grad;
+  std::ostringstream desc;
+  for (const auto& p : module_->parameters()) {
+    MAPP_CHECK(p.scalar_type() == at::kFloat,
+               "DistributedDataParallel (C++): parameters must be float32, got ", p.scalar_type(),
+               "; mixed precision from C++ is not available yet");
+    desc << p.sizes() << p.requires_grad() << ';';
+  }
+  if (torch_ext::group_size(group) > 1) {
+    // Every replica must hold the same model (else the buckets would not match).
+    const at::Tensor mine = at::full({1}, static_cast<std::int64_t>(fnv1a(desc.str())), at::kLong);
+    const at::Tensor all = torch_ext::all_gather(mine, 0, group);
+    MAPP_CHECK(all.eq(all[0]).all().item<bool>(),
+               "DistributedDataParallel: the model differs across data-parallel ranks "
+               "(parameter shapes hash to different values: ",
+               all, "); every rank of the group must build the same model");
+    if (options.broadcast_parameters) {
+      const bool root = torch_ext::group_rank(group) == 0;
+      for (auto& p : module_->parameters()) {  // rank 0's values: x + 0 + ... = x
+        at::Tensor d = p.detach();
+        if (!root) d.zero_();
+        torch_ext::all_reduce_sum_(d, group);
+      }
+    }
+  }
+  std::vector<ReducerParam> params;
+  for (const auto& p : module_->parameters()) {
+    if (!p.requires_grad()) continue;
+    const nn::ParamAttrs a = nn::param_attrs(p);
+    // Under tensor parallelism, parameters replicated over the tensor group
+    // are reduced exactly (a lossy codec would quantize them differently on
+    // each tensor rank, and the replicas would drift apart).
+    params.push_back({p, state.tp_size() > 1 && !a.tensor_parallel, false, a.shared_embedding});
+  }
+  ReducerOptions ro;
+  ro.bucket_bytes = static_cast<std::int64_t>(options.bucket_size_mb * 1024 * 1024);
+  ro.compression = options.compression;
+  ro.compression_start_iter = options.compression_start_iter;
+  ro.overlap_grad_reduce = options.overlap_grad_reduce;
+  ro.group = group;
+  reducer_ = std::make_unique<GradReducer>(std::move(params), std::move(ro));
+  // C++ trainers and pipelines finish once per step (finish_grad_sync).
+  reducer_->set_finish_at_backward_end(false);
+}
+
+void DistributedDataParallel::zero_grad_buffer() {
+  reducer_->zero_grad_buffer();
+  reducer_->prepare_forward();  // .grad views again where they were reset; readiness reset
 }
 
 // ---- DistributedOptimizer -----------------------------------------------------------

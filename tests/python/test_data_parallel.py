@@ -217,3 +217,49 @@ def test_compressed_ddp_with_many_buckets_completes_and_is_close():
         assert res["bf16"][0] < 1e-2 and res["int8"][0] < 5e-2, res
         for spec, (err, step) in res.items():
             assert err == err and step["sent_bytes"] > 0, (spec, err)  # finite, sent
+
+
+def _ddp_keeps_user_hooks(rank, world):
+    """The engine's readiness hooks sit on the gradient accumulators, next
+    to (never replacing) a user's own post-accumulate hooks, registered before
+    or after the wrapper; a parameter frozen after wrapping does not hang the
+    step (its bucket is submitted at the end of backward)."""
+    import torch.distributed as dist
+
+    import megatronapp as mapp
+
+    torch.manual_seed(0)
+    model = Net()
+    seen = []
+    model.a.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(("before", p.grad is not None)))
+    ddp = mapp.distributed.DistributedDataParallel(model, process_group=dist.group.WORLD,
+                                                   bucket_size_mb=0.0005)
+    model.b.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(("after", p.grad is not None)))
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(6, 12, generator=g)
+    ddp(x).pow(2).sum().backward()
+    # averaged when backward returns: the mean of every rank's gradient
+    mine = model.a.weight.grad.clone()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    total = torch.zeros_like(mine)
+    for r in range(world):
+        ref.zero_grad()
+        ref(torch.randn(6, 12, generator=torch.Generator().manual_seed(100 + r))).pow(2).sum() \
+            .backward()
+        total += ref.a.weight.grad
+    err = float((mine - total / world).abs().max())
+    first = list(seen)
+    model.c.weight.requires_grad_(False)  # frozen after wrapping
+    ddp.zero_grad_buffer()
+    ddp(x).pow(2).sum().backward()
+    return first, err, ddp.synchronized_steps
+
+
+def test_ddp_adds_to_user_gradient_hooks():
+    for seen, err, steps in run_ranks(_ddp_keeps_user_hooks, 2):
+        assert sorted(seen) == [("after", True), ("before", True)], seen
+        assert err < 1e-5, err
+        assert steps == 2

@@ -44,12 +44,12 @@ def _mechanism(rank, world):
             opt.step()
             opt.zero_grad()
             if overlap and i == 0:
-                in_flight = [b.gather is not None for b in ddp.buckets]
+                in_flight = [b.gather_in_flight for b in ddp.buckets]
                 # Observe the first layer's forward after DDP's own pre-hook ran.
                 first, last = model[0], model[4]
                 model[0].register_forward_pre_hook(lambda m, a: seen.append(
-                    (bucket_of(ddp, first.weight).gather is None,
-                     bucket_of(ddp, last.weight).gather is not None)))
+                    (bucket_of(ddp, first.weight).gather_in_flight is False,
+                     bucket_of(ddp, last.weight).gather_in_flight)))
         weights = [p.detach().clone() for p in ddp.state_dict().values()]  # waits for all
         out[overlap] = weights
         if overlap:

@@ -180,6 +180,13 @@ ONE_ENGINE = {
          "VocabParallelCE", "_CopyToRegion", "_ReduceFromRegion", "_GatherFromRegion",
          "_ScatterToRegion", "_ReduceScatterToRegion", "_VocabParallelCrossEntropy"),
     ),
+    "gradient reducer (buckets, readiness hooks, overlapped codec reductions, ZeRO-1 gathers)": (
+        "src/torch/ddp.cc",
+        # readiness hooks, the end-of-backward finish, submitting bucket reductions
+        ("register_post_accumulate_grad_hook", "queue_callback", "set_post_acc_grad_hooks",
+         "add_post_hook", ".mapp.compressed_reduce_scatter_async", ".mapp.param_all_gather_async",
+         "_launch_ready"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

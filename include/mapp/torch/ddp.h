@@ -1,8 +1,8 @@
-// Data parallelism for C++ trainers: the bucketed, overlapped, compressed
-// gradient reduction of megatronapp.distributed.data_parallel.DistributedDataParallel and
-// the ZeRO-1 optimizer of megatronapp.optimizer.DistributedOptimizer, with the
-// same bucket layout (so a lossy codec quantizes the same blocks and a C++ run
-// computes what the Python run computes).
+// Data parallelism: the gradient reducer (GradReducer, the one engine under
+// both front-ends: Python's megatronapp.distributed.DistributedDataParallel
+// binds it as _C.GradReducer, C++ trainers use mapp::DistributedDataParallel
+// below), the global gradient norm and clipping, and the ZeRO-1 optimizer of
+// C++ trainers (megatronapp.optimizer.DistributedOptimizer's bucket layout).
 //
 //   mapp::DistributedDataParallel ddp(model.ptr(), st, {.compression = "int8"});
 //   mapp::DistributedOptimizer opt(ddp, groups, torch::optim::AdamWOptions(3e-4));
@@ -34,13 +34,161 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "mapp/torch/comm_engine.h"
 #include "mapp/torch/dist.h"
 
+namespace torch::autograd {
+struct Node;
+}
+
 namespace mapp {
+
+// ---- the gradient reducer ------------------------------------------------------------
+
+// One parameter handed to the reducer, with what its front-end knows of it.
+struct ReducerParam {
+  at::Tensor param;         // a leaf that requires grad
+  bool exact = false;       // never compressed (replicated over the tensor group)
+  bool expert = false;      // an MoE expert: reduced over the expert-data group
+  bool own_bucket = false;  // a tied embedding: alone in its bucket (same ZeRO-1 slice
+                            // on the first and the last stage)
+};
+
+struct ReducerOptions {
+  std::int64_t bucket_bytes = 25LL << 20;  // target bucket size
+  std::string compression = "none";        // codec spec: none, int8, onebit:32, powersgd:4, ...
+  int compression_start_iter = 0;          // synchronized steps reduced exactly first
+  bool overlap_grad_reduce = true;         // submit buckets during backward
+  bool grad_reduce_in_fp32 = false;        // float32 main gradients for bf16/fp16 parameters
+  std::string group;                       // the replicas: data (x context) group
+  std::string expert_group;                // experts' replicas ("": group)
+  double expert_scale = 1.0;               // expert buckets are scaled by it first
+};
+
+struct GradBucket {
+  int index = 0;
+  std::vector<at::Tensor> params;
+  std::vector<std::int64_t> offsets;  // element offset of each parameter
+  std::int64_t numel = 0;             // unpadded
+  at::ScalarType dtype = at::kFloat;  // of the parameters
+  at::Tensor grad_data;               // the gradients (float32 main gradients; padded under ZeRO-1)
+  std::vector<at::Tensor> main_grads;  // views of grad_data when it keeps main gradients
+  at::Tensor param_data;              // ZeRO-1: the parameters are views into this
+  at::Tensor shard;                   // ZeRO-1: this rank's averaged fp32 gradient chunk
+  std::vector<std::int64_t> layout;   // (offset, rows, cols) of its matrices (PowerSGD)
+  std::map<std::string, std::vector<at::Tensor>> state;  // codec spec -> state tensors
+  bool exact = false;                                    // never compressed
+  bool expert = false;                                   // reduced over the expert group
+  std::string group;                                     // the reduction group
+  std::vector<char> ready;                               // per parameter, this backward
+  std::size_t n_ready = 0;
+  c10::intrusive_ptr<torch_ext::CommWork> handle;  // the reduction in flight
+  c10::intrusive_ptr<torch_ext::CommWork> gather;  // ZeRO-1: the parameter all-gather in flight
+  torch_ext::CommStats stats;                      // of its last reduction
+  bool keeps_main_grad() const { return grad_data.scalar_type() != dtype; }
+};
+
+// The bucketed, overlapped, optionally compressed gradient reduction:
+//
+// * Parameters in reverse order (backward produces the last layers' first) are
+//   packed into contiguous buffers of about bucket_bytes, keyed by (dtype,
+//   exact, expert) in order of first appearance; each .grad is a view into its
+//   bucket (or, with grad_reduce_in_fp32, a bf16/fp16 parameter's float32
+//   main_grads view, into which a hook adds .grad and then frees it).
+// * A post hook on each parameter's gradient accumulator (added to autograd's
+//   node: it never replaces a user's own hooks) marks it ready; complete
+//   buckets are submitted strictly in order (every rank issues the same
+//   sequence of collectives) to the group's communication thread while
+//   backward goes on: an all-reduce, or under ZeRO-1 a reduce-scatter into
+//   the bucket's fp32 shard, with the codec's error-feedback state per bucket.
+//   Averages are SUM then divide.
+// * With finish_at_backward_end (the default), the first ready hook of a
+//   backward queues finish_grad_sync() on the autograd engine: backward
+//   returns with averaged gradients. Pipeline executors turn it off and call
+//   finish_grad_sync() once per step.
+// * ZeRO-1's parameter all-gather may be started after the update and waited
+//   for per bucket (start_param_sync / finish_param_sync): front-ends wait
+//   just before the forward that reads a bucket's parameters.
+class GradReducer {
+ public:
+  GradReducer(std::vector<ReducerParam> params, ReducerOptions options);
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // Before a forward: gradients re-attached (a .grad set to None becomes its
+  // zeroed view again; a replaced .grad is adopted), readiness reset, and the
+  // accumulator hooks checked (a parameter's .data changed to another dtype
+  // gets a new accumulator).
+  void prepare_forward();
+  // Whether backward passes reduce (false: they only accumulate, no_sync()).
+  void set_sync(bool enabled) { sync_ = enabled; }
+  bool sync() const { return sync_; }
+  void set_finish_at_backward_end(bool on) { finish_at_backward_end_ = on; }
+  bool finish_at_backward_end() const { return finish_at_backward_end_; }
+  // Submits the buckets not yet submitted, waits for all, records statistics;
+  // a no-op when no synchronized backward ran since the last call.
+  void finish_grad_sync();
+  // Zeroes every bucket's gradients (main gradients included).
+  void zero_grad_buffer();
+
+  // ZeRO-1: parameters become views into per-bucket buffers padded to equal
+  // chunks (world x the codec's block), reductions reduce-scatter.
+  void enable_distributed_optimizer();
+  bool uses_distributed_optimizer() const { return zero_; }
+  // Submits every bucket's parameter all-gather and returns at once.
+  void start_param_sync();
+  // Waits for the all-gathers in flight of `buckets` (default: all).
+  void finish_param_sync(const std::optional<std::vector<int>>& buckets = std::nullopt);
+  bool gathers_pending() const { return gathers_pending_; }
+
+  std::vector<GradBucket>& buckets() { return buckets_; }
+  const std::string& group() const { return options_.group; }
+  // The codec of the next synchronized step ("none" during the warm-up).
+  std::string spec() const;
+  int synchronized_steps() const { return sync_steps_; }
+  torch_ext::CommStats last_step_stats() const { return step_stats_; }
+
+  // Codec state per rank (error-feedback residuals, PowerSGD's Q), keyed
+  // "b<bucket>/<spec>/<i>" (the checkpoints' keys).
+  std::map<std::string, at::Tensor> codec_state();
+  void load_codec_state(const std::map<std::string, at::Tensor>& tensors, int synchronized_steps);
+
+  // Called by the accumulator hooks: slot `slot` of bucket `bucket` is ready.
+  void on_grad_ready(std::size_t bucket, std::size_t slot);
+
+ private:
+  void add_bucket(std::vector<at::Tensor> params, bool exact, bool expert);
+  void attach_grads(GradBucket& b, bool zero);
+  void hook_params();
+  std::string spec_for(const GradBucket& b) const;
+  std::vector<at::Tensor>& codec_state_of(GradBucket& b, const std::string& spec);
+  void launch(GradBucket& b);
+
+  ReducerOptions options_;
+  std::vector<GradBucket> buckets_;
+  std::size_t next_bucket_ = 0;
+  bool sync_ = true;
+  bool finish_at_backward_end_ = true;
+  bool started_ = false;  // a synchronized backward marked a parameter ready
+  bool zero_ = false;
+  bool gathers_pending_ = false;
+  int sync_steps_ = 0;
+  torch_ext::CommStats step_stats_;
+  std::mutex mu_;  // readiness and submission (hooks may run on autograd's device threads)
+  // Per parameter (bucket order): its gradient accumulator (kept alive: the
+  // hook lives on it) and the hook's key.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+  std::shared_ptr<bool> alive_;  // hooks that outlive the reducer do nothing
+};
+
+// ---- the C++ front-end ------------------------------------------------------------------
 
 struct DDPOptions {
   double bucket_size_mb = 25.0;      // --ddp-bucket-size (MB), as the Python default
@@ -50,77 +198,41 @@ struct DDPOptions {
   bool broadcast_parameters = true;  // copy data-parallel rank 0's parameters first
 };
 
-struct GradBucket {
-  int index = 0;
-  std::vector<at::Tensor> params;
-  std::vector<std::int64_t> offsets;  // element offset of each parameter
-  std::int64_t numel = 0;             // unpadded
-  at::Tensor grad_data;               // the gradients (padded under ZeRO-1)
-  at::Tensor param_data;              // ZeRO-1: the parameters are views into this
-  at::Tensor shard;                   // ZeRO-1: this rank's averaged fp32 gradient chunk
-  std::vector<std::int64_t> layout;   // (offset, rows, cols) of its matrices (PowerSGD)
-  std::map<std::string, std::vector<at::Tensor>> state;  // codec spec -> state tensors
-  bool exact = false;                                    // never compressed
-  std::string group;                                     // the reduction group
-  int ready = 0;
-  c10::intrusive_ptr<torch_ext::CommWork> handle;
-  torch_ext::CommStats stats;
-};
-
+// A C++ module's data-parallel wrapper over the GradReducer (parameters'
+// attributes from nn::param_attrs). Backward passes do not finish the
+// reduction: call finish_grad_sync() (or DistributedOptimizer /
+// finish_gradients, which do) once per step.
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                           const dist::ParallelState& state, DDPOptions options = {});
-  ~DistributedDataParallel();
-  DistributedDataParallel(const DistributedDataParallel&) = delete;
-  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
   torch::nn::Module& module() { return *module_; }
 
   // Whether the next backward passes reduce (false: they only accumulate, as
   // torch DDP's no_sync()). A backward with sync on submits its buckets as
   // they fill; finish_grad_sync() submits the rest and waits.
-  void set_sync(bool enabled) { sync_ = enabled; }
-  void finish_grad_sync();
-  // Zeroes every bucket's gradients (the parameters' .grad stay views).
+  void set_sync(bool enabled) { reducer_->set_sync(enabled); }
+  void finish_grad_sync() { reducer_->finish_grad_sync(); }
   void zero_grad_buffer();
 
-  // ZeRO-1 (called by DistributedOptimizer): parameters become views into
-  // per-bucket buffers padded to equal chunks, reductions reduce-scatter.
-  void enable_distributed_optimizer();
-  bool uses_distributed_optimizer() const { return zero_; }
+  // ZeRO-1 (called by DistributedOptimizer).
+  void enable_distributed_optimizer() { reducer_->enable_distributed_optimizer(); }
+  bool uses_distributed_optimizer() const { return reducer_->uses_distributed_optimizer(); }
 
-  std::vector<GradBucket>& buckets() { return buckets_; }
-  const std::string& group() const { return group_; }
-  int synchronized_steps() const { return sync_steps_; }
-  torch_ext::CommStats last_step_stats() const { return step_stats_; }
-
-  // Codec state per rank (error-feedback residuals, PowerSGD's Q), keyed
-  // "b<bucket>/<spec>/<i>" as the Python DDP's codec_state_dict().
-  std::map<std::string, at::Tensor> codec_state();
-  void load_codec_state(const std::map<std::string, at::Tensor>& tensors, int synchronized_steps);
+  GradReducer& reducer() { return *reducer_; }
+  std::vector<GradBucket>& buckets() { return reducer_->buckets(); }
+  const std::string& group() const { return reducer_->group(); }
+  int synchronized_steps() const { return reducer_->synchronized_steps(); }
+  torch_ext::CommStats last_step_stats() const { return reducer_->last_step_stats(); }
+  std::map<std::string, at::Tensor> codec_state() { return reducer_->codec_state(); }
+  void load_codec_state(const std::map<std::string, at::Tensor>& tensors, int synchronized_steps) {
+    reducer_->load_codec_state(tensors, synchronized_steps);
+  }
 
  private:
-  void build_buckets();
-  void add_bucket(std::vector<at::Tensor> params, bool exact);
-  void attach_grads(GradBucket& b);
-  std::string spec_for(const GradBucket& b) const;
-  std::vector<at::Tensor>& codec_state_of(GradBucket& b, const std::string& spec);
-  void on_grad_ready(std::size_t bucket);
-  void launch(GradBucket& b);
-
   std::shared_ptr<torch::nn::Module> module_;
-  DDPOptions options_;
-  std::string group_;
-  bool exact_replicated_ = false;
-  std::vector<GradBucket> buckets_;
-  std::size_t next_bucket_ = 0;
-  bool sync_ = true;
-  bool started_ = false;  // a bucket of this step was submitted or is ready
-  bool zero_ = false;
-  int sync_steps_ = 0;
-  torch_ext::CommStats step_stats_;
-  std::shared_ptr<bool> alive_;  // hooks outlive nothing they point to
+  std::unique_ptr<GradReducer> reducer_;
 };
 
 // Without ZeRO-1 (a plain torch::optim optimizer over the model's parameters),

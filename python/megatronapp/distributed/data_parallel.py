@@ -4,16 +4,18 @@
     loss = model(x, y).mean(); loss.backward()   # grads averaged when backward returns
     optimizer.step()
 
-How it works:
+How it works (the engine is C++: ``mapp::GradReducer`` in ``src/torch/ddp.cc``,
+bound as ``megatronapp._C.GradReducer``; C++ trainers use the same through
+``mapp::DistributedDataParallel``; this module is its front-end):
 
 * Gradients live in contiguous per-bucket buffers (one dtype per bucket,
   about `bucket_size_mb` each, parameters in reverse registration order so the
   first buckets fill first during backward); each ``param.grad`` is a view
   into its bucket.
-* A post-accumulate-grad hook marks parameters ready; when a bucket is
-  complete its reduction is submitted to the group's communication thread
-  (C++, ``torch.ops.mapp.compressed_all_reduce_async``) while backward goes
-  on. Buckets are submitted strictly in order, so every rank issues the same
+* A C++ hook on each parameter's gradient accumulator (added next to, never
+  replacing, a user's own hooks; no Python runs in it) marks parameters
+  ready; when a bucket is complete its reduction is submitted to the group's
+  communication thread while backward goes on. Buckets are submitted strictly in order, so every rank issues the same
   sequence of collectives even when readiness order differs.
 * **finish_grad_sync() runs automatically at the end of backward** (queued on
   the autograd engine by the first hook of that backward): it submits the
@@ -48,45 +50,36 @@ How it works:
 from __future__ import annotations
 
 import contextlib
-import weakref
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 import torch
 from torch import nn
 
-from .. import _C, _collectives, autograd
-from .. import trace as _trace
+from .. import _C, _collectives
 from ..parallel_state import ParallelState, get_parallel_state
 from ..tensor_parallel.utils import is_tensor_parallel
-from .comm import codec_state, parse_compression
+from .comm import parse_compression
 
 __all__ = ["DistributedDataParallel"]
 
 
-@dataclass
 class Bucket:
-    index: int
-    params: list
-    offsets: list  # element offset of each param in the bucket
-    numel: int
-    dtype: torch.dtype  # of the parameters
-    grad_data: torch.Tensor  # float32 when the parameters keep main gradients
-    param_data: torch.Tensor | None = None  # ZeRO-1: params are views into this
-    layout: list = field(default_factory=list)  # flattened (offset, rows, cols) of 2-D params
-    state: dict = field(default_factory=dict)  # codec spec -> state tensors
-    shard: torch.Tensor | None = None  # ZeRO-1: this rank's averaged fp32 grad chunk
-    ready: set = field(default_factory=set)
-    handle: object | None = None  # the CommWork of the reduction in flight
-    gather: object | None = None  # ZeRO-1 overlap_param_gather: the parameter all-gather in flight
-    raw_bytes: int = 0
-    sent_bytes: int = 0
-    exact: bool = False  # never compressed (TP-replicated parameters)
-    # MoE experts: reduced over the expert-data-parallel group instead, and
-    # pre-scaled by 1 / ep so that the average is over all data ranks.
-    expert: bool = False
-    group: object = None  # the bucket's reduction group (set by the DDP)
+    """One of the engine's gradient buckets (``_C.GradBucket``: ``index``,
+    ``params``, ``offsets``, ``numel``, ``dtype``, ``grad_data`` (float32 when
+    the parameters keep main gradients), ``param_data`` and ``shard``
+    (ZeRO-1), ``layout``, ``state``, ``exact``, ``expert``, ``raw_bytes`` /
+    ``sent_bytes`` of its last reduction, ``gather_in_flight``) with its
+    reduction ``group`` (a ProcessGroup: the data group, or the expert-data
+    group for MoE experts)."""
+
+    __slots__ = ("_b", "group")
+
+    def __init__(self, b, group):
+        self._b, self.group = b, group
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
 
 
 class DistributedDataParallel(nn.Module):
@@ -161,18 +154,24 @@ class DistributedDataParallel(nn.Module):
                             dist.broadcast(p.data, src=esrc, group=self.expert_group)
                     else:
                         dist.broadcast(p.data, src=src, group=self.group)
-        self._sync_enabled = True
-        # False inside deferred_grad_sync(): the caller finishes the step.
-        self._finish_at_backward_end = True
-        self._zero = False
-        self._callback_queued = False
-        self._sync_steps = 0
-        self._step_stats = {"raw_bytes": 0, "sent_bytes": 0}
-        self._gathers_pending = False
+        params = [p for p in module.parameters() if p.requires_grad]
+        options = _C.ReducerOptions()
+        options.bucket_bytes = self.bucket_size
+        options.compression = self.compression.spec if self.compression else "none"
+        options.compression_start_iter = self.compression.start_iter if self.compression else 0
+        options.overlap_grad_reduce = overlap_grad_reduce
+        options.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        options.group = self.group.group_name
+        options.expert_group = self.expert_group.group_name
+        options.expert_scale = self.expert_scale
+        self._reducer = _C.GradReducer(
+            params,
+            exact=[self._exact_replicated and not is_tensor_parallel(p) for p in params],
+            expert=[bool(getattr(p, "expert_parallel", False)) for p in params],
+            own_bucket=[bool(getattr(p, "shared_embedding", False)) for p in params],
+            options=options)
+        self._wrap_buckets()
         self._gather_hooks = None  # installed by the first start_param_sync()
-        self._build_buckets()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p))
-                       for b in self.buckets for p in b.params]
 
     # ---- construction --------------------------------------------------------
     def _check_replicas_match(self) -> None:
@@ -196,79 +195,25 @@ class DistributedDataParallel(nn.Module):
                 f"(parameter names/shapes/dtypes hash to {len(groups)} different values: "
                 f"{list(groups.values())}); every rank of the group must build the same model")
 
-    def _build_buckets(self) -> None:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        params.reverse()  # backward produces the last layers' grads first
-        self.buckets = []
-        current, size = {}, {}
-        for p in params:
-            if getattr(p, "shared_embedding", False):
-                # Own bucket: its ZeRO-1 shard is then the same slice of the
-                # weight on the first and last pipeline stage, so the two
-                # shards can be summed over the embedding group.
-                self._add_bucket([p])
-                continue
-            key = (p.dtype, self._exact_replicated and not is_tensor_parallel(p),
-                   getattr(p, "expert_parallel", False))
-            lst = current.setdefault(key, [])
-            lst.append(p)
-            size[key] = size.get(key, 0) + p.numel() * p.element_size()
-            if size[key] >= self.bucket_size:
-                self._add_bucket(lst, exact=key[1], expert=key[2])
-                current[key], size[key] = [], 0
-        for key, lst in current.items():
-            if lst:
-                self._add_bucket(lst, exact=key[1], expert=key[2])
-        self._param_bucket = {p: b for b in self.buckets for p in b.params}
-
-    def _add_bucket(self, params: list, exact: bool = False, expert: bool = False) -> None:
-        offsets, n, layout = [], 0, []
-        for p in params:
-            offsets.append(n)
-            if p.dim() == 2:
-                layout += [n, p.shape[0], p.shape[1]]
-            n += p.numel()
-        dtype, device = params[0].dtype, params[0].device
-        grad_dtype = torch.float32 if self.grad_reduce_in_fp32 else dtype
-        grad = torch.zeros(n, dtype=grad_dtype, device=device)
-        b = Bucket(index=len(self.buckets), params=params, offsets=offsets, numel=n,
-                   dtype=dtype, grad_data=grad, layout=layout, exact=exact, expert=expert,
-                   group=self.expert_group if expert else self.group)
-        self.buckets.append(b)
-        self._attach_grads(b, zero=True)
-
-    @staticmethod
-    def _keeps_main_grad(b: Bucket) -> bool:
-        return b.grad_data.dtype != b.dtype
-
-    def _attach_grads(self, b: Bucket, zero: bool) -> None:
-        for p, off in zip(b.params, b.offsets, strict=True):
-            view = b.grad_data[off: off + p.numel()].view_as(p)
-            if self._keeps_main_grad(b):
-                # Zeroed by zero_grad_buffer only: microbatches accumulate here.
-                if getattr(p, "main_grad", None) is None or p.main_grad.data_ptr() != view.data_ptr():
-                    if zero and getattr(p, "main_grad", None) is None:
-                        view.zero_()
-                    p.main_grad = view
-                continue
-            if p.grad is None:
-                if zero:
-                    view.zero_()
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)  # the user replaced .grad: adopt its values
-                p.grad = view
+    def _wrap_buckets(self) -> None:
+        """The engine's buckets with their groups; ``param.main_grad`` set to
+        the float32 views of buckets that keep main gradients."""
+        self.buckets = [Bucket(b, self.expert_group if b.expert else self.group)
+                        for b in self._reducer.buckets]
+        for b in self.buckets:
+            for p, main in zip(b.params, b.main_grads, strict=False):
+                p.main_grad = main
 
     @property
     def uses_distributed_optimizer(self) -> bool:
         """True once a ZeRO-1 optimizer switched the buckets to reduce-scatter."""
-        return self._zero
+        return self._reducer.uses_distributed_optimizer
 
     @property
     def synchronized_steps(self) -> int:
         """Backward passes whose gradients were synchronized (the codec warm-up
         of ``Compression(start_iter=...)`` counts these)."""
-        return self._sync_steps
+        return self._reducer.synchronized_steps
 
     def enable_distributed_optimizer(self) -> None:
         """Switches to ZeRO-1 mode: parameters become views into contiguous
@@ -277,28 +222,10 @@ class DistributedDataParallel(nn.Module):
 
         Buffers are padded to a multiple of world x the codec's block, so the
         shard each rank owns is the same for every codec (warm-up included)."""
-        if self._zero:
+        if self.uses_distributed_optimizer:
             return
-        self._zero = True
-        lossy = self.compression.spec if self.compression else "none"
-        with torch.no_grad():
-            for b in self.buckets:
-                spec = "none" if b.exact else lossy
-                world = b.group.size()
-                padded = torch.ops.mapp.codec_padded_chunk(spec, b.numel, world) * world
-                grad = torch.zeros(padded, dtype=b.grad_data.dtype, device=b.grad_data.device)
-                grad[: b.numel].copy_(b.grad_data)
-                b.grad_data = grad
-                for p in b.params:
-                    p.grad = None
-                    p.main_grad = None
-                self._attach_grads(b, zero=False)
-                b.param_data = torch.zeros(padded, dtype=b.dtype, device=grad.device)
-                for p, off in zip(b.params, b.offsets, strict=True):
-                    b.param_data[off: off + p.numel()].copy_(p.data.reshape(-1))
-                    p.data = b.param_data[off: off + p.numel()].view_as(p)
-                b.shard = torch.zeros(padded // world, dtype=torch.float32, device=grad.device)
-                b.state.clear()
+        self._reducer.enable_distributed_optimizer()
+        self._wrap_buckets()  # new (padded) main-gradient views
 
     # ---- ZeRO-1: the parameter all-gather, overlapped with the next forward --------
     def start_param_sync(self) -> None:
@@ -308,29 +235,20 @@ class DistributedDataParallel(nn.Module):
         module waits for the buckets of its own parameters just before it
         runs, so the gathers overlap the next forward (Megatron-LM's
         ``--overlap-param-gather``); :meth:`finish_param_sync` waits for all."""
-        if not self._zero:
+        if not self.uses_distributed_optimizer:
             raise RuntimeError("start_param_sync needs ZeRO-1 buckets (DistributedOptimizer)")
-        self.finish_param_sync()
         if self._gather_hooks is None:
             self._install_gather_hooks()
-        for b in self.buckets:
-            if b.group.size() > 1:
-                b.gather = torch.ops.mapp.param_all_gather_async(b.param_data, b.group.group_name)
-        self._gathers_pending = any(b.gather is not None for b in self.buckets)
+        self._reducer.start_param_sync()
 
     def finish_param_sync(self, buckets=None) -> None:
         """Waits for the parameter all-gathers in flight (of `buckets`, default
         all). Anything that reads or writes the parameters outside a forward
         (checkpoints, the optimizer, evaluation) calls it first; cheap when
         nothing is in flight."""
-        if not self._gathers_pending:
-            return
-        for b in (self.buckets if buckets is None else buckets):
-            if b.gather is not None:
-                work, b.gather = b.gather, None
-                with _trace.scope("param_gather_wait", "collective", lane=0):
-                    work.wait()
-        self._gathers_pending = any(b.gather is not None for b in self.buckets)
+        if self._reducer.gathers_pending:
+            self._reducer.finish_param_sync(
+                None if buckets is None else [b.index for b in buckets])
 
     def _install_gather_hooks(self) -> None:
         """A forward pre-hook on every module that owns parameters, waiting for
@@ -346,28 +264,25 @@ class DistributedDataParallel(nn.Module):
                 if type(c).forward is nn.Module.forward:  # never called: read by m
                     yield from owned(c)
 
+        reducer = self._reducer
         self._gather_hooks = []
         for m in self.module.modules():
             if type(m).forward is nn.Module.forward:
                 continue  # not callable: its parameters belong to its parent's hook
-            own = {b.index: b for p in owned(m) if (b := of_param.get(id(p))) is not None}
+            own = sorted({b.index for p in owned(m) if (b := of_param.get(id(p))) is not None})
             if own:
-                buckets = list(own.values())
-                self._gather_hooks.append(m.register_forward_pre_hook(
-                    lambda _m, _a, bs=buckets: self.finish_param_sync(bs)))
+                def wait(_m, _a, own=own):
+                    if reducer.gathers_pending:
+                        reducer.finish_param_sync(own)
+                self._gather_hooks.append(m.register_forward_pre_hook(wait))
 
     # ---- per-step machinery ----------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self._gathers_pending and not (torch.is_grad_enabled() and self.training):
+        if self._reducer.gathers_pending and not (torch.is_grad_enabled() and self.training):
             # Evaluation: collectives over the data group follow (the loss
             # average) and may not overlap a gather of the same group.
             self.finish_param_sync()
-        for b in self.buckets:
-            self._attach_grads(b, zero=True)
-            b.ready.clear()
-            b.handle = None
-        self._next_bucket = 0
-        self._callback_queued = False
+        self._reducer.prepare_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -375,118 +290,45 @@ class DistributedDataParallel(nn.Module):
         """Inside, the end of a backward pass does not finish the reduction:
         several backward passes make one step (pipeline schedules), and the
         caller calls :meth:`finish_grad_sync` when the step's last one is done."""
-        previous = self._finish_at_backward_end
-        self._finish_at_backward_end = False
+        previous = self._reducer.finish_at_backward_end
+        self._reducer.finish_at_backward_end = False
         try:
             yield
         finally:
-            self._finish_at_backward_end = previous
+            self._reducer.finish_at_backward_end = previous
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients without communicating."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        previous = self._reducer.sync
+        self._reducer.sync = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            self._reducer.sync = previous
 
     def zero_grad_buffer(self) -> None:
         """Zeroes every bucket's gradients (float32 main gradients included)."""
-        for b in self.buckets:
-            b.grad_data.zero_()
-
-    def _make_hook(self, p):
-        main = self._keeps_main_grad(self._param_bucket[p])
-        # The hook lives in the parameter's C++ state, where the garbage
-        # collector cannot see it: a strong reference back to this module (or
-        # to the parameter itself) would keep them, and the process groups,
-        # alive forever. The parameter comes as the argument.
-        ref = weakref.ref(self)
-
-        def hook(param):
-            self = ref()
-            if self is None:
-                return
-            if main and param.grad is not None:
-                param.main_grad.add_(param.grad)  # float32 accumulation
-                param.grad = None
-            if not self._sync_enabled or autograd.is_deferred(param):
-                return
-            if not self._callback_queued:
-                self._callback_queued = True
-                if self._finish_at_backward_end:
-                    torch.autograd.Variable._execution_engine.queue_callback(  # noqa: SLF001
-                        self.finish_grad_sync)
-            b = self._param_bucket[param]
-            b.ready.add(id(param))
-            if self.overlap_grad_reduce:
-                self._launch_ready()
-        return hook
-
-    def _spec(self, b: Bucket | None = None) -> str:
-        c = self.compression
-        if c is None or self._sync_steps < c.start_iter or (b is not None and b.exact):
-            return "none"
-        return c.spec
-
-    def _launch(self, b: Bucket) -> None:
-        spec = self._spec(b)
-        state = self._codec_state(b, spec)
-        name = b.group.group_name
-        if b.expert and self.expert_scale != 1.0:
-            # Summed over ep ranks' tokens by the dispatcher already; the
-            # reduction averages over edp: edp/dp more makes it 1/dp.
-            b.grad_data.mul_(self.expert_scale)
-        if self._zero:
-            b.handle = torch.ops.mapp.compressed_reduce_scatter_async(
-                b.grad_data, spec, state, b.layout, b.shard, True, name)
-        else:
-            b.handle = torch.ops.mapp.compressed_all_reduce_async(
-                b.grad_data, spec, state, b.layout, True, name)
-
-    def _launch_ready(self) -> None:
-        while (self._next_bucket < len(self.buckets)
-               and len(self.buckets[self._next_bucket].ready)
-               == len(self.buckets[self._next_bucket].params)):
-            self._launch(self.buckets[self._next_bucket])
-            self._next_bucket += 1
+        self._reducer.zero_grad_buffer()
 
     def finish_grad_sync(self) -> None:
-        """Submits the remaining buckets, waits for all, records statistics."""
-        # Parameters no forward touched this step (an expert without tokens)
-        # still have their gather in flight: finish it before the step's
-        # collectives over the data group.
-        self.finish_param_sync()
-        if not self._callback_queued:
-            return  # nothing started in this backward (or already finished)
-        self._callback_queued = False
-        while self._next_bucket < len(self.buckets):
-            self._launch(self.buckets[self._next_bucket])
-            self._next_bucket += 1
-        step = {"raw_bytes": 0, "sent_bytes": 0}
-        with _trace.scope("dp_wait", "collective", lane=0):  # the training thread waits
-            for b in self.buckets:
-                if b.handle is not None:
-                    b.raw_bytes, b.sent_bytes = b.handle.wait()
-                    b.handle = None
-                    step["raw_bytes"] += b.raw_bytes
-                    step["sent_bytes"] += b.sent_bytes
-        self._step_stats = step
-        self._sync_steps += 1
+        """Submits the remaining buckets, waits for all, records statistics
+        (runs by itself at the end of backward outside ``deferred_grad_sync``;
+        a no-op when nothing is left)."""
+        self._reducer.finish_grad_sync()
 
     def comm_stats(self) -> dict:
         """Bytes before/after compression of the last synchronized step, per
         bucket and in total (raw = what an uncompressed fp32 ring all-reduce
         would send)."""
+        raw, sent = self._reducer.last_step_stats()
         return {
-            "codec": self._spec(),
+            "codec": self._reducer.spec(),
             "buckets": [{"index": b.index, "numel": b.numel, "dtype": str(b.dtype),
                          "raw_bytes": b.raw_bytes, "sent_bytes": b.sent_bytes}
                         for b in self.buckets],
-            "step": dict(self._step_stats),
-            "synchronized_steps": self._sync_steps,
+            "step": {"raw_bytes": raw, "sent_bytes": sent},
+            "synchronized_steps": self.synchronized_steps,
         }
 
     # ---- checkpoint state ---------------------------------------------------------
@@ -494,28 +336,14 @@ class DistributedDataParallel(nn.Module):
         """This rank's gradient-codec state: ``{"synchronized_steps": int,
         "tensors": {"b<bucket>/<spec>/<i>": tensor}}`` (error-feedback residuals,
         PowerSGD's Q; per rank, meaningful only under the same layout)."""
-        tensors = {}
-        for b in self.buckets:
-            for spec, state in b.state.items():
-                for i, t in enumerate(state):
-                    tensors[f"b{b.index}/{spec}/{i}"] = t.detach()
-        return {"synchronized_steps": self._sync_steps, "tensors": tensors}
+        return {"synchronized_steps": self.synchronized_steps,
+                "tensors": {k: t.detach() for k, t in self._reducer.codec_state().items()}}
 
     @torch.no_grad()
     def load_codec_state_dict(self, state: dict) -> None:
         """Restores what :meth:`codec_state_dict` returned (same model, same
         data-parallel size); codec states not yet created are created first."""
-        self._sync_steps = int(state["synchronized_steps"])
-        for key, t in state["tensors"].items():
-            b, spec, i = key.split("/")
-            bucket = self.buckets[int(b[1:])]
-            self._codec_state(bucket, spec)[int(i)].copy_(t)
-
-    def _codec_state(self, b: Bucket, spec: str) -> list:
-        if spec not in b.state:
-            b.state[spec] = codec_state(spec, b.grad_data.numel(), b.group.size(), b.layout,
-                                        b.grad_data.device, seed=b.index)
-        return b.state[spec]
+        self._reducer.load_codec_state(dict(state["tensors"]), int(state["synchronized_steps"]))
 
     # state_dict / parameters pass through to the wrapped module
     def state_dict(self, *args, **kwargs):
