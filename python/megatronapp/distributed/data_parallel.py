@@ -15,8 +15,9 @@ bound as ``megatronapp._C.GradReducer``; C++ trainers use the same through
 * A C++ hook on each parameter's gradient accumulator (added next to, never
   replacing, a user's own hooks; no Python runs in it) marks parameters
   ready; when a bucket is complete its reduction is submitted to the group's
-  communication thread while backward goes on. Buckets are submitted strictly in order, so every rank issues the same
-  sequence of collectives even when readiness order differs.
+  communication thread while backward goes on. Buckets are submitted
+  strictly in order, so every rank issues the same sequence of collectives
+  even when readiness order differs.
 * **finish_grad_sync() runs automatically at the end of backward** (queued on
   the autograd engine by the first hook of that backward): it submits the
   buckets not yet submitted (e.g. those holding unused parameters, whose
@@ -27,7 +28,7 @@ bound as ``megatronapp._C.GradReducer``; C++ trainers use the same through
 * **Mixed precision** (``grad_reduce_in_fp32=True``, Megatron's DDP option):
   for parameters in bf16/fp16 the buckets hold float32 gradients; each such
   parameter gets ``param.main_grad``, a float32 view into its bucket, and the
-  post-accumulate hook adds ``param.grad`` into it and frees ``param.grad``
+  readiness hook adds ``param.grad`` into it and frees ``param.grad``
   (microbatches accumulate in float32, and the reduction and any codec run on
   float32). Such buffers are zeroed by :meth:`zero_grad_buffer` (the
   optimizers' ``zero_grad`` calls it), not by forward.
