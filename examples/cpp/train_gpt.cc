@@ -271,7 +271,7 @@ int main(int argc, char** argv) {
       std::vector<torch::optim::OptimizerParamGroup> inner;
       for (const auto& g : groups)
         inner.emplace_back(g.params, std::make_unique<torch::optim::AdamWOptions>(g.options));
-      adamw = std::make_unique<torch::optim::AdamW>(std::move(inner));
+      adamw = std::make_unique<mapp::AdamW>(std::move(inner));
     }
     // Checkpoints: the model fields pretrain_gpt.py compares, and where the data stands.
     std::vector<mapp::CheckpointChunk> ckpt_chunks;

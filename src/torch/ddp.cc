@@ -565,6 +565,46 @@ void DistributedDataParallel::zero_grad_buffer() {
   reducer_->prepare_forward();  // .grad views again where they were reset; readiness reset
 }
 
+// ---- AdamW ---------------------------------------------------------------------------
+
+at::Tensor AdamW::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    MAPP_CHECK(!o.amsgrad(), "mapp::AdamW: amsgrad is not supported");
+    const double lr = o.lr(), wd = o.weight_decay(), eps = o.eps();
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const at::Tensor& grad = p.grad();
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        it = state_.emplace(p.unsafeGetTensorImpl(), std::move(st)).first;
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      st.step(st.step() + 1);
+      if (wd != 0) p.mul_(1 - lr * wd);
+      st.exp_avg().lerp_(grad, 1 - beta1);
+      st.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+      const double step = static_cast<double>(st.step());
+      const double step_size = lr / (1 - std::pow(beta1, step));
+      const double bias_correction2_sqrt = std::pow(1 - std::pow(beta2, step), 0.5);
+      const at::Tensor denom = (st.exp_avg_sq().sqrt() / bias_correction2_sqrt).add_(eps);
+      p.addcdiv_(st.exp_avg(), denom, -step_size);
+    }
+  }
+  return loss;
+}
+
 // ---- DistributedOptimizer -----------------------------------------------------------
 
 DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
@@ -602,7 +642,7 @@ DistributedOptimizer::DistributedOptimizer(const std::vector<DistributedDataPara
   for (std::size_t g = 0; g < groups.size(); ++g)
     inner.emplace_back(by_group[g],
                        std::make_unique<torch::optim::AdamWOptions>(groups[g].options));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(inner));
+  optimizer_ = std::make_unique<AdamW>(std::move(inner));
 }
 
 std::vector<GradBucket*> DistributedOptimizer::all_buckets() {

@@ -255,11 +255,14 @@ def _run_both(tmp_path, world, common, py_extra=(), cpp_extra=()):
     return _by_iteration(tmp_path / "py" / "loss.csv"), _by_iteration(tmp_path / "c.csv")
 
 
-def _assert_same_20_losses(tmp_path, world, common):
+def _assert_same_20_losses(tmp_path, world, common, tol=0.0):
+    """Bit for bit (`tol` 0): one engine under both trainers (the reducer, the
+    TP autograd functions, the norm and clipping) and an AdamW with
+    torch.optim.AdamW's arithmetic in C++ (mapp::AdamW)."""
     want, got = (list(d.values()) for d in _run_both(tmp_path, world, common))
     assert len(want) == len(got) == 20
     for a, b in zip(want, got, strict=True):
-        assert abs(a - b) < 1e-5, (want, got)
+        assert abs(a - b) <= tol, (want, got)
     assert got[-1] < got[0] - 1.0  # it trains
 
 
@@ -279,9 +282,9 @@ def _assert_same_20_losses(tmp_path, world, common):
 ], ids=["tp2-dp2", "tp2-sp", "tp2-sp-dp2-buckets-int8-warmup-zero1", "dp4-powersgd"])
 def test_cpp_trainer_gives_pretrain_gpt_losses(tmp_path, world, flags):
     """examples/cpp/train_gpt.cc against examples/pretrain_gpt.py: the same
-    loss at each of the first 20 steps within 1e-5 (fp32), with the C++ DDP
-    (the Python bucket layout, so a lossy codec quantizes the same blocks)
-    and the C++ ZeRO-1 optimizer."""
+    loss at each of the first 20 steps, bit for bit (fp32), with the
+    reducer both share (the same buckets, so a lossy codec quantizes the
+    same blocks) and the C++ ZeRO-1 optimizer."""
     from megatronapp.data import default_corpus
 
     _assert_same_20_losses(tmp_path, world, GPT_FLAGS + flags + ["--data-path", default_corpus()])
@@ -325,10 +328,14 @@ def test_cpp_pipeline_trainer_gives_pretrain_gpt_losses(tmp_path, flags):
     """train_gpt with --pipeline-model-parallel-size: mapp::forward_backward
     over the C++ schedule IR (stages split as pretrain_gpt.py splits them,
     tied embeddings summed over the embedding group) against
-    pretrain_gpt.py, 4 ranks, 4 layers: every loss of 20 steps within 1e-5."""
+    pretrain_gpt.py, 4 ranks, 4 layers: every loss of 20 steps bit for bit
+    (within 1e-5 under adaptive re-planning: the schedule follows measured
+    times, and another microbatch order sums the gradients in another order)."""
     from megatronapp.data import default_corpus
 
-    _assert_same_20_losses(tmp_path, 4, PIPE_FLAGS + flags + ["--data-path", default_corpus()])
+    tol = 1e-5 if "--pipeline-replan-interval" in flags else 0.0
+    _assert_same_20_losses(tmp_path, 4, PIPE_FLAGS + flags + ["--data-path", default_corpus()],
+                           tol)
 
 
 def test_cpp_trainer_refuses_what_it_cannot_do_yet():
@@ -402,14 +409,10 @@ def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, tmp_path_factor
     run resumed from its own step-3 checkpoint repeats steps 4-6 bit for bit
     (AdamW moments or ZeRO-1 pieces, codec error feedback / PowerSGD state,
     RNG); a C++ run resumes Python's checkpoint and a Python run resumes the
-    C++ one, each continuing the other's run within 1e-5."""
+    C++ one, each continuing the other's run bit for bit."""
     ck, common, py, cpp = _ckpt_runs(tmp_path_factory, flags)
-    assert all(abs(py[i] - cpp[i]) < 1e-5 for i in py), (py, cpp)
-    # Across trainers: within the trainers' own agreement. Even where their losses agree
-    # bit for bit, torch's foreach AdamW (Python) and torch::optim::AdamW (C++) may round
-    # a moment differently by an ulp (seen with the AVX2 kernels the suite pins), which a
-    # resume across them carries on.
-    tol = 1e-5
+    assert all(py[i] == cpp[i] for i in py), (py, cpp)
+    tol = 0.0  # the trainers agree bit for bit, so do resumes across them
     r = _torchrun(4, ["--no-python", TRAIN_GPT, *common, "--loss-csv", str(tmp_path / "cc.csv"),
                       "--load", str(ck / "cck" / "iter_0000003")])
     assert r.returncode == 0, r.stderr[-2000:]

@@ -264,6 +264,16 @@ double global_grad_norm(const std::vector<at::Tensor>& counted,
 // `max_norm` (nothing when max_norm <= 0 or norm <= max_norm).
 void clip_grads_(const std::vector<at::Tensor>& grads, double max_norm, double norm);
 
+// torch::optim::AdamW with torch.optim.AdamW's arithmetic (the first moment
+// by lerp, the bias corrections as Python computes them), so that a C++
+// trainer's update is bit for bit the Python trainer's: torch's C++ AdamW
+// (mul + add) rounds the first moment differently. amsgrad is refused.
+class AdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+  at::Tensor step(LossClosure closure = nullptr) override;
+};
+
 // One AdamW parameter group: the model parameters and their options.
 struct ParamGroup {
   std::vector<at::Tensor> params;
@@ -314,7 +324,7 @@ class DistributedOptimizer {
   std::vector<DistributedDataParallel*> ddps_;
   const dist::ParallelState& state_;
   std::vector<Piece> pieces_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<AdamW> optimizer_;
   bool finished_ = false;  // this step's gradients are finished (SP sums added)
 };
 
