@@ -4,12 +4,8 @@ group resolved by name. Autograd-aware wrappers live in tensor_parallel.mappings
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: PLC2701
 
 import torch
-
-#: Flat buffers of coalesced_all_reduce_ stay below this many bytes.
-COALESCE_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def default_store() -> dist.Store:
@@ -48,26 +44,8 @@ def reduce_scatter_sum(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup)
 def coalesced_all_reduce_(tensors: list, group: dist.ProcessGroup,
                           scale: float | None = None) -> None:
     """Sums `tensors` over `group` in place (then multiplies by `scale`),
-    packing same-dtype tensors into flat buffers of at most
-    :data:`COALESCE_BUCKET_BYTES` so that many small tensors cost few calls."""
-    if group.size() == 1:
-        if scale is not None:
-            torch._foreach_mul_(tensors, scale)
-        return
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        bucket, size = [], 0
-        for t in same + [None]:
-            if t is not None:
-                bucket.append(t)
-                size += t.numel() * t.element_size()
-            if bucket and (t is None or size >= COALESCE_BUCKET_BYTES):
-                flat = _flatten_dense_tensors(bucket)
-                all_reduce_sum_(flat, group)
-                if scale is not None:
-                    flat.mul_(scale)
-                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    dst.copy_(src)
-                bucket, size = [], 0
+    packing same-dtype tensors into flat buffers of at most 25 MiB so that
+    many small tensors cost few calls (``torch.ops.mapp.coalesced_all_reduce_``,
+    the C++ engine's)."""
+    torch.ops.mapp.coalesced_all_reduce_(list(tensors), group.group_name,
+                                         None if scale is None else float(scale))

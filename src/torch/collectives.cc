@@ -7,12 +7,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "c10d_util.h"
 #include "mapp/comm/shm_group.h"
@@ -238,6 +241,47 @@ at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name) {
   all_reduce_base(buf, group_name, *pg, "all_reduce");
   if (!buf.is_same(tensor)) tensor.copy_(buf);
   return tensor;
+}
+
+void coalesced_all_reduce_(const std::vector<at::Tensor>& tensors, const std::string& group_name,
+                           std::optional<double> scale) {
+  if (tensors.empty()) return;
+  at::NoGradGuard no_grad;
+  if (group_size(group_name) == 1) {
+    if (scale) at::_foreach_mul_(tensors, *scale);
+    return;
+  }
+  // Same-dtype runs in order of first appearance, each cut into flat buffers.
+  std::vector<std::pair<at::ScalarType, std::vector<at::Tensor>>> by_dtype;
+  for (const auto& t : tensors) {
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
+                           [&](const auto& d) { return d.first == t.scalar_type(); });
+    if (it == by_dtype.end()) it = by_dtype.insert(by_dtype.end(), {t.scalar_type(), {}});
+    it->second.push_back(t);
+  }
+  for (const auto& [dtype, same] : by_dtype) {
+    std::vector<at::Tensor> bucket;
+    std::int64_t bytes = 0;
+    for (std::size_t i = 0; i <= same.size(); ++i) {
+      if (i < same.size()) {
+        bucket.push_back(same[i]);
+        bytes += same[i].numel() * same[i].element_size();
+      }
+      if (bucket.empty() || (i < same.size() && bytes < kCoalesceBucketBytes)) continue;
+      std::vector<at::Tensor> flat_parts;
+      for (const auto& t : bucket) flat_parts.push_back(t.reshape(-1));
+      at::Tensor flat = at::cat(flat_parts);
+      all_reduce_sum_(flat, group_name);
+      if (scale) flat.mul_(*scale);
+      std::int64_t off = 0;
+      for (const auto& t : bucket) {
+        t.copy_(flat.slice(0, off, off + t.numel()).view(t.sizes()));
+        off += t.numel();
+      }
+      bucket.clear();
+      bytes = 0;
+    }
+  }
 }
 
 at::Tensor all_gather(const at::Tensor& tensor, std::int64_t dim, const std::string& group_name) {

@@ -54,42 +54,19 @@ std::uint32_t fnv1a(const std::string& s) {
   return h;
 }
 
-// Sums `grads` over `group` in one flat buffer (element-wise, so the same as
-// one call per tensor; one collective instead of many).
-void flat_all_reduce(const std::vector<at::Tensor>& grads, const std::string& group) {
-  if (grads.empty() || torch_ext::group_size(group) == 1) return;
-  std::vector<at::Tensor> flat_parts;
-  for (const auto& g : grads) flat_parts.push_back(g.reshape(-1));
-  at::Tensor flat = at::cat(flat_parts);
-  torch_ext::all_reduce_sum_(flat, group);
-  std::int64_t off = 0;
-  for (const auto& g : grads) {
-    g.view(-1).copy_(flat.slice(0, off, off + g.numel()));
-    off += g.numel();
-  }
-}
-
 using Pairs = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (param, its gradient or shard)
 
-// Parameters replicated over the tensor group but fed a sequence shard hold
-// partial sums: added over the tensor group.
-void add_sequence_parallel_sums(const Pairs& pairs, const dist::ParallelState& st) {
-  if (st.tp_size() == 1) return;
-  std::vector<at::Tensor> sp;
-  for (const auto& [p, g] : pairs)
-    if (nn::param_attrs(p).sequence_parallel) sp.push_back(g);
-  flat_all_reduce(sp, st.tensor_group());
-}
-
-// Tied word embeddings on the first and last pipeline stage: their gradients
-// (or ZeRO-1 shards: the embedding has its own bucket, so the same slice on
-// both stages) are summed over the embedding group.
-void add_embedding_sums(const Pairs& pairs, const dist::ParallelState& st) {
-  if (st.pp_size() == 1 || st.embedding_group().empty()) return;
-  std::vector<at::Tensor> shared;
-  for (const auto& [p, g] : pairs)
-    if (nn::param_attrs(p).shared_embedding) shared.push_back(g);
-  flat_all_reduce(shared, st.embedding_group());
+// finish_grad_sums_ over the pairs' gradients, chosen by their parameters' attributes.
+void add_partial_sums(const Pairs& pairs, const dist::ParallelState& st) {
+  std::vector<at::Tensor> sp, shared;
+  for (const auto& [p, g] : pairs) {
+    const nn::ParamAttrs a = nn::param_attrs(p);
+    if (a.sequence_parallel && st.tp_size() > 1) sp.push_back(g);
+    if (a.shared_embedding && st.pp_size() > 1 && !st.embedding_group().empty())
+      shared.push_back(g);
+  }
+  finish_grad_sums_(sp, sp.empty() ? "" : st.tensor_group(), shared,
+                    shared.empty() ? "" : st.embedding_group());
 }
 
 // Which gradients count (tensor-parallel shards on every tensor rank,
@@ -118,6 +95,21 @@ std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b) {
 }
 
 }  // namespace
+
+void finish_grad_sums_(const std::vector<at::Tensor>& sequence_parallel,
+                       const std::string& tensor_group, const std::vector<at::Tensor>& embedding,
+                       const std::string& embedding_group) {
+  at::NoGradGuard no_grad;
+  if (!sequence_parallel.empty() && !tensor_group.empty())
+    torch_ext::coalesced_all_reduce_(sequence_parallel, tensor_group);
+  if (embedding.empty() || embedding_group.empty()) return;
+  if (embedding.size() == 2) {  // both ends of zb-v's wave on this rank
+    embedding[0].add_(embedding[1]);
+    embedding[1].copy_(embedding[0]);
+    return;
+  }
+  torch_ext::coalesced_all_reduce_(embedding, embedding_group);
+}
 
 namespace {
 at::Tensor sum_of_squares(const std::vector<at::Tensor>& grads, at::Device device) {
@@ -167,8 +159,7 @@ double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
     for (const auto& p : ddp->module().parameters())
       if (p.grad().defined()) pairs.emplace_back(p, p.grad());
   }
-  add_sequence_parallel_sums(pairs, state);
-  add_embedding_sums(pairs, state);
+  add_partial_sums(pairs, state);
   return clip_by_global_norm(pairs, state, {state.model_group()}, max_norm);
 }
 
@@ -668,8 +659,7 @@ double DistributedOptimizer::clip_grad_norm(double max_norm) {
   }
   if (!finished_) {
     for (DistributedDataParallel* ddp : ddps_) ddp->finish_grad_sync();
-    add_sequence_parallel_sums(pairs, state_);  // element-wise: a shard sums like the whole
-    add_embedding_sums(pairs, state_);
+    add_partial_sums(pairs, state_);  // element-wise: a shard sums like the whole
     finished_ = true;
   }
   // The shards partition each parameter over the data group: summed there too.

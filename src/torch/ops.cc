@@ -378,6 +378,12 @@ bool built_with_cuda() {
 
 TORCH_LIBRARY(mapp, m) {
   m.def("all_reduce_(Tensor(a!) self, str group_name) -> Tensor(a!)");
+  // Sums a list over the group through few flat same-dtype buffers (then * scale).
+  m.def("coalesced_all_reduce_(Tensor(a!)[] tensors, str group_name, float? scale=None) -> ()",
+        [](const std::vector<at::Tensor>& tensors, const std::string& group,
+           std::optional<double> scale) {
+          mapp::torch_ext::coalesced_all_reduce_(tensors, group, scale);
+        });
   m.def("all_gather(Tensor self, int dim, str group_name) -> Tensor");
   m.def("reduce_scatter(Tensor self, int dim, str group_name) -> Tensor");
   m.def("group_size(str group_name) -> int", &mapp::torch_ext::group_size);
@@ -476,6 +482,12 @@ TORCH_LIBRARY(mapp, m) {
         return mapp::global_grad_norm(counted, groups, experts, expert_groups, split_experts,
                                       device);
       });
+  m.def("finish_grad_sums_(Tensor(a!)[] sequence_parallel, str tensor_group, "
+        "Tensor(b!)[] embedding, str embedding_group) -> ()",
+        [](const std::vector<at::Tensor>& sp, const std::string& tensor_group,
+           const std::vector<at::Tensor>& embedding, const std::string& embedding_group) {
+          mapp::finish_grad_sums_(sp, tensor_group, embedding, embedding_group);
+        });
   m.def("clip_grads_(Tensor(a!)[] grads, float max_norm, float norm) -> ()",
         [](const std::vector<at::Tensor>& grads, double max_norm, double norm) {
           mapp::clip_grads_(grads, max_norm, norm);

@@ -187,6 +187,14 @@ ONE_ENGINE = {
          "add_post_hook", ".mapp.compressed_reduce_scatter_async", ".mapp.param_all_gather_async",
          "_launch_ready"),
     ),
+    "gradient finishing sums (sequence-parallel partial sums, tied embeddings)": (
+        "src/torch/ddp.cc",
+        ("embedding[0].add_(embedding[1])", "shared[0].add_(shared[1])", "flat_all_reduce"),
+    ),
+    "coalesced all-reduce of a list of tensors": (
+        "src/torch/collectives.cc",
+        ("_flatten_dense_tensors", "COALESCE_BUCKET_BYTES", "bytes < kCoalesceBucketBytes"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

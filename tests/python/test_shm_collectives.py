@@ -180,3 +180,51 @@ def _compressed_agree(rank, world):
 def test_compressed_collectives_through_shared_memory_match_gloo(world):
     for bad in run_ranks(_compressed_agree, world):
         assert not bad, bad
+
+
+def _coalesced_and_finish_sums(rank, world):
+    """torch.ops.mapp.coalesced_all_reduce_ (mixed dtypes, a non-contiguous
+    tensor, a scale, buffers split at 25 MiB) and finish_grad_sums_ (SP sums,
+    tied embeddings, zb-v's local pair) against float64 closed forms."""
+    import torch.distributed as dist
+
+    import megatronapp  # noqa: F401  (loads torch.ops.mapp)
+
+    group = dist.group.WORLD.group_name
+    bad = []
+
+    def of(r, shape, dtype, seed):
+        return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed + 31 * r),
+                            dtype=torch.float64)).to(dtype)
+
+    specs = [((7, 5), torch.float32), ((3,), torch.float64), ((4, 6), torch.bfloat16),
+             ((1 << 22,), torch.float32), ((3 << 20,), torch.float32), ((9,), torch.float32)]
+    mine = [of(rank, s, d, i) for i, (s, d) in enumerate(specs)]
+    mine.append(of(rank, (6, 4), torch.float32, 99).t())  # non-contiguous
+    want = [sum(of(r, s, d, i).double() for r in range(world)) / world
+            for i, (s, d) in enumerate(specs)]
+    want.append(sum(of(r, (6, 4), torch.float32, 99).double() for r in range(world)).t() / world)
+    torch.ops.mapp.coalesced_all_reduce_(mine, group, 1.0 / world)
+    for i, (got, w) in enumerate(zip(mine, want, strict=True)):
+        tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-5
+        if got.shape != w.shape or not torch.allclose(got.double(), w, rtol=tol, atol=tol):
+            bad.append(f"coalesced tensor {i} ({got.dtype})")
+    # SP partial sums over the group, the embedding over the group
+    sp, emb = [of(rank, (5,), torch.float32, 1)], [of(rank, (2, 3), torch.float32, 2)]
+    torch.ops.mapp.finish_grad_sums_(sp, group, emb, group)
+    if not torch.allclose(sp[0].double(), sum(of(r, (5,), torch.float32, 1).double()
+                                              for r in range(world)), atol=1e-5):
+        bad.append("sequence-parallel sum")
+    if not torch.allclose(emb[0].double(), sum(of(r, (2, 3), torch.float32, 2).double()
+                                               for r in range(world)), atol=1e-5):
+        bad.append("embedding sum")
+    # two tied embeddings on this rank (zb-v): added locally, no collective
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    torch.ops.mapp.finish_grad_sums_([], "", [a, b], group)
+    if not (torch.equal(a, torch.full((3,), 3.0)) and torch.equal(b, a)):
+        bad.append("local pair")
+    return bad
+
+
+def test_coalesced_all_reduce_and_finish_sums_match_closed_forms():
+    assert run_ranks(_coalesced_and_finish_sums, 2) == [[], []]

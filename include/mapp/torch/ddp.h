@@ -248,6 +248,19 @@ double finish_gradients(DistributedDataParallel& ddp, const dist::ParallelState&
 double finish_gradients(const std::vector<DistributedDataParallel*>& chunks,
                         const dist::ParallelState& state, double max_norm);
 
+// Steps 2-3 of finishing a step's gradients (after the data-parallel
+// reduction), the one implementation (Python's megatronapp.training.grads
+// calls it through torch.ops.mapp.finish_grad_sums_): the sequence-parallel
+// partial sums (`sequence_parallel`: gradients, or ZeRO-1 shards, of
+// parameters replicated over the tensor group but fed a sequence shard)
+// summed over `tensor_group`, and the tied word embeddings (`embedding`)
+// summed over `embedding_group`; two of them on one rank (zb-v's wave puts
+// the first and the last virtual stage there, and no other rank of the
+// embedding group holds one) are added here instead. "" skips a group.
+void finish_grad_sums_(const std::vector<at::Tensor>& sequence_parallel,
+                       const std::string& tensor_group, const std::vector<at::Tensor>& embedding,
+                       const std::string& embedding_group);
+
 // The global gradient norm and clipping: the one implementation (Python's
 // megatronapp.optimizer.clip_grads calls it through torch.ops.mapp.global_grad_norm
 // and torch.ops.mapp.clip_grads_). `counted`: the gradients (or ZeRO-1 pieces)

@@ -9,6 +9,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,14 @@ namespace mapp::torch_ext {
 // Sums `tensor` over the group in place and returns it. CPU bfloat16 travels
 // as float32 (Gloo has no bfloat16) and is cast back.
 at::Tensor& all_reduce_sum_(at::Tensor& tensor, const std::string& group_name);
+
+// Sums `tensors` over the group in place (then multiplies them by `scale`),
+// packing same-dtype tensors into flat buffers of at most kCoalesceBucketBytes
+// so that many small tensors cost few collectives. Element-wise, so the same
+// sums as one call per tensor.
+constexpr std::int64_t kCoalesceBucketBytes = 25LL << 20;
+void coalesced_all_reduce_(const std::vector<at::Tensor>& tensors, const std::string& group_name,
+                           std::optional<double> scale = std::nullopt);
 
 // Concatenation along `dim` of every group member's `tensor`, in group-rank
 // order. All members must pass the same shape.

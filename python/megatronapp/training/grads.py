@@ -11,7 +11,9 @@ After the last backward of a step, :func:`finish_gradients` does, in order:
    SP) hold partial sums: summed over the tensor group;
 3. **tied embeddings** — with the word embeddings on the first and the last
    pipeline stage, their gradients are summed over the embedding group
-   (zb-v's wave puts both on stage 0: summed there);
+   (zb-v's wave puts both on stage 0: summed there); steps 2 and 3 are the
+   C++ engine's ``torch.ops.mapp.finish_grad_sums_``, this module picks the
+   gradients;
 4. **one global norm** (one host synchronization) and **clipping**.
 
 Full gradients (``param.grad``), float32 main gradients (a
@@ -68,19 +70,13 @@ def finalize_model_grads(model, parallel_state: ParallelState | None = None, *,
         pairs = optimizer.grad_shards()
     else:
         pairs = [(p, p.grad) for c in chunks for p in c.parameters() if p.grad is not None]
-    if state.tp_size > 1:
-        sp = [g for p, g in pairs if getattr(p, "sequence_parallel", False)]
-        if sp:
-            _collectives.coalesced_all_reduce_(sp, state.tensor_group)
-    if state.pp_size > 1 and state.embedding_group is not None:
-        shared = [g for p, g in pairs if getattr(p, "shared_embedding", False)]
-        if len(shared) == 2:
-            # zb-v's wave: the first and the last virtual stage are both on
-            # this rank (and no other rank of the embedding group holds one)
-            shared[0].add_(shared[1])
-            shared[1].copy_(shared[0])
-        elif shared:
-            _collectives.coalesced_all_reduce_(shared, state.embedding_group)
+    # Steps 2-3, the C++ engine's (mapp::finish_grad_sums_, which C++ trainers call too).
+    sp = ([g for p, g in pairs if getattr(p, "sequence_parallel", False)]
+          if state.tp_size > 1 else [])
+    shared = ([g for p, g in pairs if getattr(p, "shared_embedding", False)]
+              if state.pp_size > 1 and state.embedding_group is not None else [])
+    torch.ops.mapp.finish_grad_sums_(sp, state.tensor_group.group_name if sp else "",
+                                     shared, state.embedding_group.group_name if shared else "")
     return pairs
 
 
