@@ -6,6 +6,10 @@
 #   benchmarks/ab_trees.sh 22aa252 HEAD "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" 6
 #   benchmarks/ab_trees.sh 22aa252 HEAD checkpoint      # benchmarks/checkpoint_bench.py instead
 #
+# The flags come last, so they may override the model (--num-layers 4
+# --hidden-size 256 --num-attention-heads 8 --seq-length 256, micro-batch 2,
+# global batch 16, 25 iterations).
+#
 # Each commit's python/megatronapp is unpacked into a scratch directory with
 # the installed extension (_C, lib/) and imported from there (the editable
 # install's finder is bypassed), so both run against the same C++ build: valid
@@ -44,10 +48,10 @@ for rep in $(seq "$REPEATS"); do
     fi
     out="$WORK/out-$v-$rep"
     .venv/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29631 \
-      "$WORK/$v/run.py" examples/pretrain_gpt.py $CFG --num-layers 4 --hidden-size 256 \
+      "$WORK/$v/run.py" examples/pretrain_gpt.py --num-layers 4 --hidden-size 256 \
       --num-attention-heads 8 --seq-length 256 --micro-batch-size 2 --global-batch-size 16 \
       --lr 3e-4 --train-iters 25 --eval-iters 0 --no-progress --log-interval 1000 \
-      --output-dir "$out" > "$out.log" 2>&1 || { tail -20 "$out.log"; exit 1; }
+      --output-dir "$out" $CFG > "$out.log" 2>&1 || { tail -20 "$out.log"; exit 1; }
     $PY - "$out/loss.csv" "$v" "$rep" <<'PYEOF'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
