@@ -612,6 +612,19 @@ void register_reducer(py::module_& m) {
         for (auto& b : r.buckets()) out.push_back(&b);
         return out;
       }, py::return_value_policy::reference_internal)
+      .def("pieces", [](const GradReducer& r, bool sharded) {
+        std::vector<py::tuple> out;
+        for (const auto& pc : r.pieces(sharded))
+          out.push_back(py::make_tuple(pc.bucket, pc.slot, pc.lo, pc.hi, pc.shard_lo, pc.param_lo));
+        return out;
+      }, py::arg("sharded"))
+      .def("chunk_range", [](GradReducer& r, int bucket, bool sharded) {
+        MAPP_CHECK(bucket >= 0 && bucket < static_cast<int>(r.buckets().size()),
+                   "chunk_range: bucket ", bucket, " out of range");
+        return r.chunk_range(r.buckets()[bucket], sharded);
+      }, py::arg("bucket"), py::arg("sharded"))
+      .def("all_gather_params", &GradReducer::all_gather_params,
+           py::call_guard<py::gil_scoped_release>())
       .def("spec", &GradReducer::spec)
       .def_property_readonly("synchronized_steps", &GradReducer::synchronized_steps)
       .def("last_step_stats", [](const GradReducer& r) {

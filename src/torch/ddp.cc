@@ -87,13 +87,6 @@ double clip_by_global_norm(const Pairs& pairs, const dist::ParallelState& st,
   return norm;
 }
 
-// [lo, hi) of ZeRO-1 bucket b (padded to equal chunks) that this rank owns.
-std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b) {
-  const std::int64_t chunk = b.param_data.numel() / torch_ext::group_size(b.group);
-  const std::int64_t lo = torch_ext::group_rank(b.group) * chunk;
-  return {lo, lo + chunk};
-}
-
 }  // namespace
 
 void finish_grad_sums_(const std::vector<at::Tensor>& sequence_parallel,
@@ -432,6 +425,39 @@ void GradReducer::enable_distributed_optimizer() {
   }
 }
 
+std::pair<std::int64_t, std::int64_t> GradReducer::chunk_range(const GradBucket& b,
+                                                               bool sharded) const {
+  if (!sharded) return {0, b.numel};
+  MAPP_CHECK(zero_, "GradReducer: ZeRO-1 pieces need enable_distributed_optimizer() first");
+  const std::int64_t chunk = b.param_data.numel() / torch_ext::group_size(b.group);
+  const std::int64_t lo = torch_ext::group_rank(b.group) * chunk;
+  return {lo, lo + chunk};
+}
+
+std::vector<GradReducer::Piece> GradReducer::pieces(bool sharded) const {
+  std::vector<Piece> out;
+  for (const auto& b : buckets_) {
+    const auto [s_lo, s_hi] = chunk_range(b, sharded);
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      const std::int64_t off = b.offsets[i];
+      const std::int64_t lo = std::max(off, s_lo), hi = std::min(off + b.params[i].numel(), s_hi);
+      if (lo < hi)
+        out.push_back({b.index, static_cast<int>(i), lo, hi, lo - s_lo, lo - off});
+    }
+  }
+  return out;
+}
+
+void GradReducer::all_gather_params() {
+  MAPP_CHECK(zero_, "all_gather_params needs ZeRO-1 buckets (a DistributedOptimizer)");
+  at::NoGradGuard no_grad;
+  finish_param_sync();
+  for (auto& b : buckets_) {
+    const auto [lo, hi] = chunk_range(b, true);
+    b.param_data.copy_(torch_ext::all_gather(b.param_data.slice(0, lo, hi), 0, b.group));
+  }
+}
+
 void GradReducer::start_param_sync() {
   MAPP_CHECK(zero_, "start_param_sync needs ZeRO-1 buckets (a DistributedOptimizer)");
   finish_param_sync();
@@ -614,33 +640,23 @@ DistributedOptimizer::DistributedOptimizer(const std::vector<DistributedDataPara
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& p : groups[g].params) group_of[p.unsafeGetTensorImpl()] = g;
   std::vector<std::vector<at::Tensor>> by_group(groups.size());
-  for (auto& b : all_buckets()) {
-    const auto [s_lo, s_hi] = chunk_range(*b);
-    for (std::size_t i = 0; i < b->params.size(); ++i) {
-      const std::int64_t off = b->offsets[i];
-      const std::int64_t lo = std::max(off, s_lo), hi = std::min(off + b->params[i].numel(), s_hi);
-      if (lo >= hi) continue;
-      at::Tensor main = b->param_data.slice(0, lo, hi).detach().to(at::kFloat).clone();
+  for (DistributedDataParallel* ddp : ddps_)
+    for (const auto& pc : ddp->reducer().pieces(/*sharded=*/true)) {
+      GradBucket* b = &ddp->buckets()[pc.bucket];
+      const at::Tensor& param = b->params[pc.slot];
+      at::Tensor main = b->param_data.slice(0, pc.lo, pc.hi).detach().to(at::kFloat).clone();
       main.set_requires_grad(true);
-      const auto it = group_of.find(b->params[i].unsafeGetTensorImpl());
+      const auto it = group_of.find(param.unsafeGetTensorImpl());
       MAPP_CHECK(it != group_of.end(), "DistributedOptimizer: a parameter of the model is in no ",
                  "parameter group (every parameter must be in exactly one)");
-      pieces_.push_back({b, b->params[i], lo, hi, lo - s_lo, lo - off, main});
+      pieces_.push_back({b, param, pc.lo, pc.hi, pc.shard_lo, pc.param_lo, main});
       by_group[it->second].push_back(main);
     }
-  }
   std::vector<torch::optim::OptimizerParamGroup> inner;
   for (std::size_t g = 0; g < groups.size(); ++g)
     inner.emplace_back(by_group[g],
                        std::make_unique<torch::optim::AdamWOptions>(groups[g].options));
   optimizer_ = std::make_unique<AdamW>(std::move(inner));
-}
-
-std::vector<GradBucket*> DistributedOptimizer::all_buckets() {
-  std::vector<GradBucket*> out;
-  for (DistributedDataParallel* ddp : ddps_)
-    for (auto& b : ddp->buckets()) out.push_back(&b);
-  return out;
 }
 
 void DistributedOptimizer::zero_grad() {
@@ -672,10 +688,7 @@ void DistributedOptimizer::step() {
   optimizer_->step();
   at::NoGradGuard no_grad;
   for (auto& pc : pieces_) pc.bucket->param_data.slice(0, pc.lo, pc.hi).copy_(pc.main);
-  for (GradBucket* b : all_buckets()) {
-    const auto [lo, hi] = chunk_range(*b);
-    b->param_data.copy_(torch_ext::all_gather(b->param_data.slice(0, lo, hi), 0, b->group));
-  }
+  for (DistributedDataParallel* ddp : ddps_) ddp->reducer().all_gather_params();
   finished_ = false;
 }
 

@@ -195,6 +195,10 @@ ONE_ENGINE = {
         "src/torch/collectives.cc",
         ("_flatten_dense_tensors", "COALESCE_BUCKET_BYTES", "bytes < kCoalesceBucketBytes"),
     ),
+    "ZeRO-1 layout (pieces of each rank's chunk, the parameter all-gather)": (
+        "src/torch/ddp.cc",
+        ("param_data.numel() // ", "lo - s_lo", "param_data.numel() / torch_ext::group_size"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

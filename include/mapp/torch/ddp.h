@@ -147,6 +147,23 @@ class GradReducer {
   void finish_param_sync(const std::optional<std::vector<int>>& buckets = std::nullopt);
   bool gathers_pending() const { return gathers_pending_; }
 
+  // What an optimizer with fp32 main parameters updates on this rank: under
+  // ZeRO-1 (`sharded`) rank r of a bucket's group owns chunk r of its padded
+  // buffer, and each parameter's part of it is a piece; otherwise every
+  // parameter is one whole piece. [lo, hi) in bucket coordinates; shard_lo
+  // within this rank's chunk, param_lo within the flat parameter.
+  struct Piece {
+    int bucket;
+    int slot;  // the parameter's index in its bucket
+    std::int64_t lo, hi, shard_lo, param_lo;
+  };
+  std::vector<Piece> pieces(bool sharded) const;
+  // [lo, hi) of bucket `b` this rank updates (ZeRO-1: its chunk; else all of it).
+  std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b, bool sharded) const;
+  // ZeRO-1, blocking: every member's updated chunk of each bucket's
+  // parameters to all (start_param_sync is the overlapped form).
+  void all_gather_params();
+
   std::vector<GradBucket>& buckets() { return buckets_; }
   const std::string& group() const { return options_.group; }
   // The codec of the next synchronized step ("none" during the warm-up).
@@ -333,7 +350,6 @@ class DistributedOptimizer {
     std::int64_t shard_lo, param_lo;
     at::Tensor main;
   };
-  std::vector<GradBucket*> all_buckets();
   std::vector<DistributedDataParallel*> ddps_;
   const dist::ParallelState& state_;
   std::vector<Piece> pieces_;

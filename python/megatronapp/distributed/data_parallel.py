@@ -74,13 +74,19 @@ class Bucket:
     reduction ``group`` (a ProcessGroup: the data group, or the expert-data
     group for MoE experts)."""
 
-    __slots__ = ("_b", "group")
+    __slots__ = ("_b", "_reducer", "group")
 
-    def __init__(self, b, group):
-        self._b, self.group = b, group
+    def __init__(self, b, reducer, group):
+        self._b, self._reducer, self.group = b, reducer, group
 
     def __getattr__(self, name):
         return getattr(self._b, name)
+
+    def chunk_range(self, sharded: bool) -> tuple:
+        """[lo, hi) of the bucket this rank updates: under ZeRO-1
+        (`sharded`) chunk r of the padded buffer for rank r of the bucket's
+        group, else all of it."""
+        return self._reducer.chunk_range(self._b.index, sharded)
 
 
 class DistributedDataParallel(nn.Module):
@@ -199,7 +205,7 @@ class DistributedDataParallel(nn.Module):
     def _wrap_buckets(self) -> None:
         """The engine's buckets with their groups; ``param.main_grad`` set to
         the float32 views of buckets that keep main gradients."""
-        self.buckets = [Bucket(b, self.expert_group if b.expert else self.group)
+        self.buckets = [Bucket(b, self._reducer, self.expert_group if b.expert else self.group)
                         for b in self._reducer.buckets]
         for b in self.buckets:
             for p, main in zip(b.params, b.main_grads, strict=False):
@@ -228,16 +234,32 @@ class DistributedDataParallel(nn.Module):
         self._reducer.enable_distributed_optimizer()
         self._wrap_buckets()  # new (padded) main-gradient views
 
+    def shard_pieces(self, sharded: bool) -> list:
+        """What an optimizer with fp32 main parameters updates on this rank
+        (the engine's layout, the C++ DistributedOptimizer's too):
+        ``(bucket, param, lo, hi, shard_lo, param_lo)`` per piece, [lo, hi) in
+        bucket coordinates, `shard_lo` within this rank's chunk, `param_lo`
+        within the flat parameter. Under ZeRO-1 (`sharded`) each parameter's
+        part of this rank's chunk of its bucket; otherwise every parameter whole."""
+        params = [b.params for b in self.buckets]
+        return [(self.buckets[bi], params[bi][slot], lo, hi, shard_lo, param_lo)
+                for bi, slot, lo, hi, shard_lo, param_lo in self._reducer.pieces(sharded)]
+
     # ---- ZeRO-1: the parameter all-gather, overlapped with the next forward --------
-    def start_param_sync(self) -> None:
+    def start_param_sync(self, force_sync: bool = False) -> None:
         """Submits every bucket's parameter all-gather (ZeRO-1: each rank's
         updated chunk of ``param_data`` to all) on the bucket group's
         communication thread and returns at once. A forward pre-hook of each
         module waits for the buckets of its own parameters just before it
         runs, so the gathers overlap the next forward (Megatron-LM's
-        ``--overlap-param-gather``); :meth:`finish_param_sync` waits for all."""
+        ``--overlap-param-gather``); :meth:`finish_param_sync` waits for all.
+        With ``force_sync`` (Megatron's name) the gathers run now and return
+        done."""
         if not self.uses_distributed_optimizer:
             raise RuntimeError("start_param_sync needs ZeRO-1 buckets (DistributedOptimizer)")
+        if force_sync:
+            self._reducer.all_gather_params()
+            return
         if self._gather_hooks is None:
             self._install_gather_hooks()
         self._reducer.start_param_sync()

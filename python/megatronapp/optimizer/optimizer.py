@@ -129,18 +129,14 @@ class MixedPrecisionOptimizer:
                 for p in g["params"]:
                     options[p] = i
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [{}])]
-        # Shard pieces: (bucket, param, lo, hi) in bucket coordinates, and the
-        # fp32 main tensor the inner optimizer updates.
+        # Shard pieces (the engine's layout: DistributedDataParallel.shard_pieces)
+        # and the fp32 main tensor the inner optimizer updates.
         self._pieces = []
         by_group = [[] for _ in group_opts]
-        for b in self.buckets:
-            s_lo, s_hi = self._chunk_range(b)
-            for p, off in zip(b.params, b.offsets, strict=True):
-                lo, hi = max(off, s_lo), min(off + p.numel(), s_hi)
-                if lo >= hi:
-                    continue
-                main = self._param_values(b, p, off, lo, hi).detach().float().clone()
-                self._pieces.append(_Piece(b, p, lo, hi, lo - s_lo, lo - off, main))
+        for d in ddps:
+            for b, p, lo, hi, shard_lo, param_lo in d.shard_pieces(self.sharded):
+                main = self._param_values(b, p, param_lo, lo, hi).detach().float().clone()
+                self._pieces.append(_Piece(b, p, lo, hi, shard_lo, param_lo, main))
                 by_group[options.get(p, 0)].append(main)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
@@ -165,11 +161,11 @@ class MixedPrecisionOptimizer:
     # ---- what this rank owns (DistributedOptimizer: its chunk) ----------------------
     def _chunk_range(self, b) -> tuple:
         """[lo, hi) of the range of bucket b this rank updates."""
-        return 0, b.numel
+        return b.chunk_range(self.sharded)
 
-    def _param_values(self, b, p, off: int, lo: int, hi: int) -> torch.Tensor:
-        """The values of bucket range [lo, hi) of parameter `p` (at `off`)."""
-        return p.detach().reshape(-1)[lo - off: hi - off]
+    def _param_values(self, b, p, param_lo: int, lo: int, hi: int) -> torch.Tensor:
+        """The values of bucket range [lo, hi) of parameter `p`."""
+        return p.detach().reshape(-1)[param_lo: param_lo + hi - lo]
 
     def _grad_of(self, pc: _Piece) -> torch.Tensor:
         """The averaged float32 gradient of a piece: a view into its bucket."""
@@ -326,14 +322,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(ddp, optimizer_class, param_groups, **kwargs)
         self.overlap_param_gather = overlap_param_gather
 
-    def _chunk_range(self, b) -> tuple:
-        # A bucket's own group: the data group, or for MoE experts the
-        # expert-data-parallel group.
-        world, rank = b.group.size(), b.group.rank()
-        chunk = b.param_data.numel() // world
-        return rank * chunk, (rank + 1) * chunk
-
-    def _param_values(self, b, p, off, lo, hi):
+    def _param_values(self, b, p, param_lo, lo, hi):
         return b.param_data[lo:hi]
 
     def _bucket_span(self, b) -> int:
@@ -358,13 +347,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             d.finish_param_sync()  # (the forward waited for them already)
         for pc in self._pieces:
             pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
-        if self.overlap_param_gather:
-            for d in self.ddps:
-                d.start_param_sync()
-            return
-        for b in self.buckets:
-            lo, hi = self._chunk_range(b)
-            b.param_data.copy_(_collectives.all_gather(b.param_data[lo:hi], 0, b.group))
+        for d in self.ddps:
+            d.start_param_sync(force_sync=not self.overlap_param_gather)
 
     def finish_param_sync(self) -> None:
         """Waits for the parameter all-gathers in flight (overlap_param_gather)."""
