@@ -592,7 +592,8 @@ void register_reducer(py::module_& m) {
            }),
            py::arg("params"), py::arg("exact"), py::arg("expert"), py::arg("own_bucket"),
            py::arg("options"))
-      .def("prepare_forward", &GradReducer::prepare_forward)
+      .def("prepare_forward", &GradReducer::prepare_forward,
+           py::call_guard<py::gil_scoped_release>())
       .def_property("sync", &GradReducer::sync, &GradReducer::set_sync)
       .def_property("finish_at_backward_end", &GradReducer::finish_at_backward_end,
                     &GradReducer::set_finish_at_backward_end)

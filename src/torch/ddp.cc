@@ -284,10 +284,16 @@ void GradReducer::prepare_forward() {
   at::NoGradGuard no_grad;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& b : buckets_) {
+    // A reduction still in flight (a synchronized backward never finished)
+    // writes into the bucket: waited for, not abandoned to race the next backward.
+    if (b.handle) {
+      c10::intrusive_ptr<torch_ext::CommWork> work = std::move(b.handle);
+      b.handle.reset();
+      b.stats = work->wait();
+    }
     attach_grads(b, /*zero=*/true);
     std::fill(b.ready.begin(), b.ready.end(), 0);
     b.n_ready = 0;
-    b.handle.reset();
   }
   next_bucket_ = 0;
   started_ = false;

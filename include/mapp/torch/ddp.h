@@ -121,9 +121,9 @@ class GradReducer {
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  // Before a forward: gradients re-attached (a .grad set to None becomes its
-  // zeroed view again; a replaced .grad is adopted), readiness reset, and the
-  // accumulator hooks checked (a parameter's .data changed to another dtype
+  // Before a forward: a reduction still in flight waited for, gradients
+  // re-attached (a .grad set to None becomes its zeroed view again; a replaced
+  // .grad is adopted), readiness reset, and the accumulator hooks checked (a parameter's .data changed to another dtype
   // gets a new accumulator).
   void prepare_forward();
   // Whether backward passes reduce (false: they only accumulate, no_sync()).
