@@ -635,6 +635,22 @@ void register_reducer(py::module_& m) {
       .def("codec_state", &GradReducer::codec_state)
       .def("load_codec_state", &GradReducer::load_codec_state, py::arg("tensors"),
            py::arg("synchronized_steps"));
+  py::class_<mapp::LossScaler>(m, "LossScaler")
+      .def(py::init<double>(), py::arg("scale"))
+      .def(py::init([](double initial, double min_scale, double growth, double backoff,
+                       int interval, int hysteresis) {
+             return std::make_unique<mapp::LossScaler>(
+                 mapp::LossScalerOptions{initial, min_scale, growth, backoff, interval, hysteresis});
+           }),
+           py::arg("initial_scale"), py::arg("min_scale"), py::arg("growth_factor"),
+           py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("hysteresis"))
+      .def_property_readonly("scale", &mapp::LossScaler::scale)
+      .def_property_readonly("inv_scale", &mapp::LossScaler::inv_scale)
+      .def_property_readonly("growth_tracker", &mapp::LossScaler::growth_tracker)
+      .def_property_readonly("hysteresis_tracker", &mapp::LossScaler::hysteresis_tracker)
+      .def("update", &mapp::LossScaler::update, py::arg("found_inf"))
+      .def("load", &mapp::LossScaler::load, py::arg("scale"), py::arg("growth_tracker"),
+           py::arg("hysteresis_tracker"));
   py::class_<mapp::ReducerOptions>(m, "ReducerOptions")
       .def(py::init<>())
       .def_readwrite("bucket_bytes", &mapp::ReducerOptions::bucket_bytes)

@@ -588,6 +588,45 @@ void DistributedDataParallel::zero_grad_buffer() {
   reducer_->prepare_forward();  // .grad views again where they were reset; readiness reset
 }
 
+// ---- LossScaler ------------------------------------------------------------------------
+
+LossScaler::LossScaler(double scale) : scale_(scale) {
+  MAPP_CHECK(scale > 0, "loss scale must be positive, got ", scale);
+  options_.initial_scale = scale;
+}
+
+LossScaler::LossScaler(const LossScalerOptions& o)
+    : options_(o), dynamic_(true), scale_(o.initial_scale), hysteresis_tracker_(o.hysteresis) {
+  MAPP_CHECK(o.initial_scale > 0, "loss scale must be positive, got ", o.initial_scale);
+  MAPP_CHECK(o.min_scale > 0 && o.min_scale <= o.initial_scale,
+             "min loss scale must be in (0, initial scale ", o.initial_scale, "], got ",
+             o.min_scale);
+  MAPP_CHECK(o.growth_factor > 1 && o.backoff_factor > 0 && o.backoff_factor < 1,
+             "growth factor must exceed 1 and backoff factor lie in (0, 1)");
+  MAPP_CHECK(o.growth_interval >= 1 && o.hysteresis >= 1, "loss-scale window (",
+             o.growth_interval, ") and hysteresis (", o.hysteresis, ") must be >= 1");
+}
+
+void LossScaler::update(bool found_inf) {
+  if (!dynamic_) return;
+  if (found_inf) {
+    growth_tracker_ = 0;
+    if (--hysteresis_tracker_ <= 0)
+      scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
+  } else if (++growth_tracker_ == options_.growth_interval) {
+    growth_tracker_ = 0;
+    hysteresis_tracker_ = options_.hysteresis;
+    scale_ *= options_.growth_factor;
+  }
+}
+
+void LossScaler::load(double scale, int growth_tracker, int hysteresis_tracker) {
+  MAPP_CHECK(scale > 0, "loss scale must be positive, got ", scale, " (a corrupt checkpoint?)");
+  scale_ = scale;
+  growth_tracker_ = growth_tracker;
+  hysteresis_tracker_ = hysteresis_tracker;
+}
+
 // ---- AdamW ---------------------------------------------------------------------------
 
 at::Tensor AdamW::step(LossClosure closure) {

@@ -199,6 +199,10 @@ ONE_ENGINE = {
         "src/torch/ddp.cc",
         ("param_data.numel() // ", "lo - s_lo", "param_data.numel() / torch_ext::group_size"),
     ),
+    "loss scaler (fp16: hysteresis, backoff, growth)": (
+        "src/torch/ddp.cc",
+        ("_hysteresis_tracker", "scale * self.backoff_factor", "--hysteresis_tracker_"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

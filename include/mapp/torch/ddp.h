@@ -304,6 +304,44 @@ class AdamW : public torch::optim::AdamW {
   at::Tensor step(LossClosure closure = nullptr) override;
 };
 
+// Loss scaling for fp16 training (Megatron-LM's semantics), the one
+// implementation (Python's megatronapp.optimizer.grad_scaler binds it): the
+// loss is multiplied by scale() before backward, the fp32 main gradients by
+// inv_scale() before clipping, and a step with an inf or a NaN is skipped and
+// reported to update(). A constant scaler keeps its scale. A dynamic one: an
+// overflow spends one unit of hysteresis, and with none left multiplies the
+// scale by backoff_factor (never below min_scale); growth_interval clean
+// steps in a row multiply it by growth_factor and refill the hysteresis.
+struct LossScalerOptions {
+  double initial_scale = 4294967296.0;  // 2^32
+  double min_scale = 1.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int growth_interval = 1000;  // --loss-scale-window
+  int hysteresis = 2;
+};
+
+class LossScaler {
+ public:
+  explicit LossScaler(double scale);                   // constant (--loss-scale S)
+  explicit LossScaler(const LossScalerOptions& dynamic);  // dynamic
+  double scale() const { return scale_; }
+  double inv_scale() const { return 1.0 / scale_; }
+  bool dynamic() const { return dynamic_; }
+  void update(bool found_inf);
+  int growth_tracker() const { return growth_tracker_; }
+  int hysteresis_tracker() const { return hysteresis_tracker_; }
+  // Restores a checkpointed state (the trackers only matter when dynamic).
+  void load(double scale, int growth_tracker, int hysteresis_tracker);
+  const LossScalerOptions& options() const { return options_; }
+
+ private:
+  LossScalerOptions options_;
+  bool dynamic_ = false;
+  double scale_ = 1.0;
+  int growth_tracker_ = 0, hysteresis_tracker_ = 0;
+};
+
 // One AdamW parameter group: the model parameters and their options.
 struct ParamGroup {
   std::vector<at::Tensor> params;

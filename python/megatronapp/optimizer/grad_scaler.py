@@ -16,9 +16,15 @@ bf16 has fp32's exponent range and needs no scaling (Megatron uses none).
     scaler = DynamicGradScaler(initial_scale=2**32, min_scale=1.0,
                                growth_interval=1000, hysteresis=2)
     (loss * scaler.scale).backward(); ...; scaler.update(found_inf)
+
+The scaler is the C++ engine's (``mapp::LossScaler`` in
+``include/mapp/torch/ddp.h``, bound as ``megatronapp._C.LossScaler``, the one
+C++ trainers get); these classes keep Megatron's names and checkpoint keys.
 """
 
 from __future__ import annotations
+
+from .. import _C
 
 __all__ = ["ConstantGradScaler", "DynamicGradScaler"]
 
@@ -27,16 +33,22 @@ class ConstantGradScaler:
     """``--loss-scale S``: a fixed scale; overflowing steps are still skipped."""
 
     def __init__(self, scale: float):
-        if not scale > 0:
-            raise ValueError(f"loss scale must be positive, got {scale}")
-        self.scale = float(scale)
+        self._s = _C.LossScaler(float(scale))
+
+    @property
+    def scale(self) -> float:
+        return self._s.scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._s.load(float(value), self._s.growth_tracker, self._s.hysteresis_tracker)
 
     @property
     def inv_scale(self) -> float:
-        return 1.0 / self.scale
+        return self._s.inv_scale
 
     def update(self, found_inf: bool) -> None:
-        pass
+        self._s.update(bool(found_inf))
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}
@@ -51,39 +63,16 @@ class DynamicGradScaler(ConstantGradScaler):
     def __init__(self, initial_scale: float = 2.0**32, min_scale: float = 1.0,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2):
-        super().__init__(initial_scale)
-        if not 0 < min_scale <= initial_scale:
-            raise ValueError(f"min loss scale must be in (0, initial scale {initial_scale}], "
-                             f"got {min_scale}")
-        if growth_factor <= 1 or not 0 < backoff_factor < 1:
-            raise ValueError("growth factor must exceed 1 and backoff factor lie in (0, 1)")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"loss-scale window ({growth_interval}) and hysteresis "
-                             f"({hysteresis}) must be >= 1")
+        self._s = _C.LossScaler(float(initial_scale), float(min_scale), float(growth_factor),
+                                float(backoff_factor), int(growth_interval), int(hysteresis))
         self.min_scale = float(min_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker}
+        return {"scale": self.scale, "growth_tracker": self._s.growth_tracker,
+                "hysteresis_tracker": self._s.hysteresis_tracker}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self._growth_tracker = int(state.get("growth_tracker", 0))
-        self._hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
+        self._s.load(float(state["scale"]), int(state.get("growth_tracker", 0)),
+                     int(state.get("hysteresis_tracker", self.hysteresis)))
