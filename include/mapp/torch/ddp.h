@@ -15,16 +15,13 @@
 //   double norm = opt.clip_grad_norm(1.0);   // global norm over tp x dp (x pp)
 //   opt.step();                              // shard update, then all-gather of the params
 //
-// How it works (as the Python module): parameters in reverse registration
-// order are packed into contiguous float buffers of about bucket_size_mb,
-// keyed by (dtype, reduced exactly, expert); each param.grad is a view into
-// its bucket. A post-accumulate-grad hook counts a bucket's ready parameters;
-// complete buckets are submitted in order to the group's communication thread
-// (torch_ext::compressed_all_reduce_async, or compressed_reduce_scatter_async
-// under ZeRO-1) while backward goes on. Under tensor parallelism, parameters
-// replicated over the tensor group are reduced exactly (a lossy codec would
-// quantize them differently on each tensor rank). The codec's error-feedback
-// state lives per bucket and is checkpointable (codec_state()).
+// How it works: see GradReducer below (parameters packed into buckets, a
+// readiness hook on each gradient accumulator, complete buckets submitted in
+// order to the group's communication thread, codecs with error feedback,
+// ZeRO-1 reduce-scatter and the parameter all-gather). The C++ front-end
+// finishes once per step (finish_grad_sync, or DistributedOptimizer /
+// finish_gradients); Python's finishes at the end of each backward unless a
+// pipeline defers it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
