@@ -646,6 +646,15 @@ void register_reducer(py::module_& m) {
            py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("hysteresis"))
       .def_property_readonly("scale", &mapp::LossScaler::scale)
       .def_property_readonly("inv_scale", &mapp::LossScaler::inv_scale)
+      .def_property_readonly("min_scale", [](const mapp::LossScaler& l) { return l.options().min_scale; })
+      .def_property_readonly("growth_factor",
+                             [](const mapp::LossScaler& l) { return l.options().growth_factor; })
+      .def_property_readonly("backoff_factor",
+                             [](const mapp::LossScaler& l) { return l.options().backoff_factor; })
+      .def_property_readonly("growth_interval",
+                             [](const mapp::LossScaler& l) { return l.options().growth_interval; })
+      .def_property_readonly("hysteresis",
+                             [](const mapp::LossScaler& l) { return l.options().hysteresis; })
       .def_property_readonly("growth_tracker", &mapp::LossScaler::growth_tracker)
       .def_property_readonly("hysteresis_tracker", &mapp::LossScaler::hysteresis_tracker)
       .def("update", &mapp::LossScaler::update, py::arg("found_inf"))

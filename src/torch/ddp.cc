@@ -20,6 +20,7 @@
 
 #include "mapp/codec/codec.h"
 #include "mapp/common/check.h"
+#include "mapp/torch/checkpoint_engine.h"  // crc32
 #include "mapp/torch/compressed.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
@@ -47,12 +48,6 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   GradReducer* reducer_;
   std::size_t bucket_, slot_;
 };
-
-std::uint32_t fnv1a(const std::string& s) {
-  std::uint32_t h = 2166136261u;
-  for (unsigned char c : s) h = (h ^ c) * 16777619u;
-  return h;
-}
 
 using Pairs = std::vector<std::pair<at::Tensor, at::Tensor>>;  // (param, its gradient or shard)
 
@@ -548,7 +543,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   if (torch_ext::group_size(group) > 1) {
     // Every replica must hold the same model (else the buckets would not match).
-    const at::Tensor mine = at::full({1}, static_cast<std::int64_t>(fnv1a(desc.str())), at::kLong);
+    const std::string d = desc.str();
+    const at::Tensor mine = at::full({1}, static_cast<std::int64_t>(crc32(d.data(), d.size())),
+                                     at::kLong);
     const at::Tensor all = torch_ext::all_gather(mine, 0, group);
     MAPP_CHECK(all.eq(all[0]).all().item<bool>(),
                "DistributedDataParallel: the model differs across data-parallel ranks "

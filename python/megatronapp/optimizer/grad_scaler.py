@@ -65,9 +65,13 @@ class DynamicGradScaler(ConstantGradScaler):
                  growth_interval: int = 1000, hysteresis: int = 2):
         self._s = _C.LossScaler(float(initial_scale), float(min_scale), float(growth_factor),
                                 float(backoff_factor), int(growth_interval), int(hysteresis))
-        self.min_scale = float(min_scale)
-        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
+
+    # The settings, read from the engine (one copy: setting them is not supported).
+    min_scale = property(lambda self: self._s.min_scale)
+    growth_factor = property(lambda self: self._s.growth_factor)
+    backoff_factor = property(lambda self: self._s.backoff_factor)
+    growth_interval = property(lambda self: self._s.growth_interval)
+    hysteresis = property(lambda self: self._s.hysteresis)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "growth_tracker": self._s.growth_tracker,
