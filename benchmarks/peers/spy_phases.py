@@ -16,8 +16,7 @@ time of the profiled run. The phases
 phase                 a sample is in it when its stack holds
 ====================  ===========================================================
 optimizer             ``torch/optim/`` (the update itself)
-p2p                   pipeline sends/receives/waits: our executor's ``_P2P``,
-                      Megatron's ``p2p_communication``, torch ``pipelining``'s
+p2p                   pipeline sends/receives/waits: Megatron's ``p2p_communication``, torch ``pipelining``'s
                       and DeepSpeed's ``pipe`` P2P
 dp-reduction          data-parallel gradient reduction: our DDP
                       (``data_parallel.py``), the peers' ``all_reduce_data_parallel``
@@ -30,9 +29,13 @@ tp-collectives        inside the forward/backward: a tensor-parallel collective
                       (our ``_collectives``, Megatron's ``tensor_parallel``
                       mappings, any c10d collective under the model's forward
                       or backward, e.g. vocab-parallel cross-entropy)
-executor              the schedule's own Python between actions: the innermost
+executor              the schedule's own code between actions: the innermost
                       frame is the executor (ours ``pipeline/executor.py``,
-                      Megatron's ``pipeline_parallel/schedules.py``) itself
+                      Megatron's ``pipeline_parallel/schedules.py``) itself.
+                      Ours is the C++ engine (``mapp::forward_backward``):
+                      without native frames its samples (P2P waits, the
+                      autograd backward, the reducer) land here; our
+                      tracer splits them (``run.py`` reports both)
 compute               the rest of the forward/backward (kernels, autograd)
 other                 anything else in the step (zero_grad, lr, set-up)
 ====================  ===========================================================
@@ -66,8 +69,7 @@ _SCHEDULE = [("", e) for e in _EXECUTOR] + [
 _P2P = [("", "core/pipeline_parallel/p2p_communication.py"),
         ("", "deepspeed/runtime/pipe/p2p.py"), ("_recv", "torch/distributed/pipelining/"),
         ("_send", "torch/distributed/pipelining/"), ("wait", "torch/distributed/pipelining/"),
-        ("batch_isend_irecv", "")] + [
-    (f, "megatronapp/pipeline/executor.py") for f in ("post_recv", "wait_recv", "send", "finish")]
+        ("batch_isend_irecv", "")]
 _DP = [("", "megatronapp/data_parallel.py"), ("", "megatronapp/comm.py"),
        ("all_reduce_data_parallel", ""), ("reduce_gradients", "deepspeed/"),
        ("", "deepspeed/runtime/zero/"), ("_sync_buffers", ""), ("", "torch/nn/parallel/distributed.py"),

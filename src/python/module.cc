@@ -5,6 +5,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>     // python_error: a Python exception inside autograd
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>  // c10::intrusive_ptr as a holder (c10d types)
 
 #include "mapp/common/check.h"
@@ -22,7 +24,9 @@
 #include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/memory.h"
 #include "mapp/torch/nn.h"
+#include "mapp/torch/faults.h"
 #include "mapp/torch/ops.h"
+#include "mapp/torch/pipeline.h"
 
 namespace py = pybind11;
 
@@ -31,6 +35,15 @@ namespace {
 void register_common(py::module_& m) {
   py::register_exception<mapp::StateError>(m, "StateError", PyExc_RuntimeError);
   py::register_exception<mapp::BackendError>(m, "BackendError", PyExc_RuntimeError);
+  // A Python exception raised inside autograd (a custom Function's backward)
+  // that crossed C++ (the pipeline executor): re-raised as itself.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (python_error& e) {
+      e.restore();
+    }
+  });
   m.def("log", [](const std::string& level, const std::string& msg) {
     mapp::log(mapp::parse_log_level(level), msg);
   }, py::arg("level"), py::arg("message"));
@@ -222,6 +235,24 @@ void register_memory(py::module_& m) {
 #endif
 }
 
+// A Python callable kept by C++ that may be dropped without the GIL.
+std::shared_ptr<py::object> gil_held(py::object f) {
+  return std::shared_ptr<py::object>(new py::object(std::move(f)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+}
+
+// A callable's result as a tensor; None -> an undefined tensor.
+at::Tensor tensor_or_undefined(const py::object& r) {
+  if (r.is_none()) return {};
+  MAPP_CHECK(THPVariable_Check(r.ptr()), "forward_backward: a model chunk returned ",
+             std::string(py::str(py::type::of(r).attr("__name__"))),
+             " where a tensor was expected (the output sent to the next stage, or the loss on "
+             "the last)");
+  return r.cast<at::Tensor>();
+}
+
 void register_pipeline(py::module_& parent) {
   namespace pl = mapp::pipeline;
   auto m = parent.def_submodule("pipeline", "Pipeline schedules (C++ core)");
@@ -313,6 +344,98 @@ void register_pipeline(py::module_& parent) {
       });
   m.def("simulate", &pl::simulate, py::arg("schedule"), py::arg("costs"));
   m.def("chrome_trace", &pl::chrome_trace, py::arg("schedule"), py::arg("result"));
+  // The pipeline executor (mapp/torch/pipeline.h) under
+  // megatronapp.pipeline.forward_backward: the chunks, the first stage's
+  // inputs and the gradient synchronizers are Python callables, called with
+  // the GIL; everything else (waits, autograd, the reducers) runs without it.
+  m.def("forward_backward", [](const pl::Schedule& schedule, std::vector<py::object> forwards,
+                               std::vector<std::optional<mapp::GradReducer*>> reducers,
+                               std::vector<py::object> set_syncs,
+                               std::vector<py::object> finish_syncs, py::object inputs,
+                               mapp::PipelineGroups groups, std::vector<std::int64_t> tensor_shape,
+                               at::ScalarType dtype, c10::Device device, bool forward_only,
+                               bool scatter_gather, bool trace_actions, bool gpu_busy_time) {
+    const std::size_t v = forwards.size();
+    MAPP_CHECK(reducers.size() == v && set_syncs.size() == v && finish_syncs.size() == v,
+               "forward_backward: one reducer / set_sync / finish_sync entry per chunk");
+    std::vector<mapp::PipelineChunk> chunks(v);
+    for (std::size_t c = 0; c < v; ++c) {
+      auto fwd = gil_held(std::move(forwards[c]));
+      chunks[c].forward_microbatch = [fwd](const at::Tensor& x, int mb) {
+        py::gil_scoped_acquire gil;
+        return tensor_or_undefined((*fwd)(x, mb));
+      };
+      chunks[c].reducer = reducers[c].value_or(nullptr);
+      if (!set_syncs[c].is_none()) {
+        auto f = gil_held(std::move(set_syncs[c]));
+        chunks[c].set_sync = [f](bool on) {
+          py::gil_scoped_acquire gil;
+          (*f)(on);
+        };
+      }
+      if (!finish_syncs[c].is_none()) {
+        auto f = gil_held(std::move(finish_syncs[c]));
+        chunks[c].finish_sync = [f] {
+          py::gil_scoped_acquire gil;
+          (*f)();
+        };
+      }
+    }
+    std::function<at::Tensor(int)> first;
+    if (!inputs.is_none()) {
+      auto f = gil_held(std::move(inputs));
+      first = [f](int mb) {
+        py::gil_scoped_acquire gil;
+        return tensor_or_undefined((*f)(mb));
+      };
+    }
+    mapp::PipelineOptions options;
+    options.tensor_shape = std::move(tensor_shape);
+    options.dtype = dtype;
+    options.device = device;
+    options.forward_only = forward_only;
+    options.scatter_gather = scatter_gather;
+    options.inject_slowdown = false;  // the Python trainer slows its layers (faults.apply_slowdown)
+    options.trace_actions = trace_actions;
+    options.gpu_busy_time = gpu_busy_time;
+    mapp::PipelineResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = mapp::forward_backward(schedule, chunks, first, {}, groups, options);
+      chunks.clear();  // the callables go with the GIL (their deleters take it)
+    }
+    py::dict out;
+    out["losses"] = r.losses;
+    out["peak_activations"] = r.peak_activations;
+    out["compute_time"] = r.compute_time;
+    out["recv_wait_time"] = r.recv_wait_seconds;
+    out["sent_bytes"] = r.sent_bytes;
+    out["step_time"] = r.step_seconds;
+    out["shared_memory"] = r.shared_memory;
+    return out;
+  }, py::arg("schedule"), py::arg("forwards"), py::arg("reducers"), py::arg("set_syncs"),
+     py::arg("finish_syncs"), py::arg("inputs"), py::arg("groups"), py::arg("tensor_shape"),
+     py::arg("dtype"), py::arg("device"), py::arg("forward_only"), py::arg("scatter_gather"),
+     py::arg("trace_actions"), py::arg("gpu_busy_time"));
+  py::class_<mapp::PipelineGroups>(m, "PipelineGroups")
+      .def(py::init([](std::string pipeline, int stage, std::vector<int> stage_ranks,
+                       std::string tensor, int tp_rank, int tp_size) {
+             MAPP_CHECK(stage >= 0 && stage < static_cast<int>(stage_ranks.size()),
+                        "PipelineGroups: stage ", stage, " out of range for ",
+                        stage_ranks.size(), " stages");
+             return mapp::PipelineGroups{std::move(pipeline), stage, std::move(stage_ranks),
+                                         std::move(tensor), tp_rank, tp_size};
+           }),
+           py::arg("pipeline"), py::arg("stage"), py::arg("stage_ranks"), py::arg("tensor"),
+           py::arg("tp_rank"), py::arg("tp_size"))
+      .def_readonly("stage", &mapp::PipelineGroups::stage)
+      .def_readonly("stage_ranks", &mapp::PipelineGroups::stage_ranks);
+  m.def("injected_link_delay", [] {
+    const auto d = mapp::faults::injected_link_delay();
+    return d ? py::object(py::dict(py::arg("rank") = d->rank, py::arg("peer") = d->peer,
+                                   py::arg("ms") = d->ms))
+             : py::object(py::none());
+  }, "the parsed MAPP_INJECT_LINK_DELAY ({rank, peer, ms}) or None");
 }
 
 mapp::trace::Event make_event(const std::string& name, const std::string& category, int lane,

@@ -1,5 +1,5 @@
-// MAPP_INJECT_SLOWDOWN for C++ trainers (include/mapp/torch/faults.h), as
-// python/megatronapp/resilience/faults.py parses it.
+// MAPP_INJECT_SLOWDOWN and MAPP_INJECT_LINK_DELAY (include/mapp/torch/faults.h),
+// as python/megatronapp/resilience/faults.py parses the others.
 #include "mapp/torch/faults.h"
 
 #include <atomic>
@@ -74,6 +74,42 @@ std::optional<Slowdown> injected_slowdown() {
   s.forward = phase != "backward";
   s.backward = phase != "forward";
   return s;
+}
+
+std::optional<LinkDelay> injected_link_delay() {
+  const std::string text = tunable_string("MAPP_INJECT_LINK_DELAY");
+  if (text.empty()) return std::nullopt;
+  LinkDelay d;
+  bool has_rank = false, has_peer = false, has_ms = false;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t end = std::min(text.find(',', pos), text.size());
+    const std::string part = text.substr(pos, end - pos);
+    const std::size_t eq = part.find('=');
+    MAPP_CHECK(eq != std::string::npos, "MAPP_INJECT_LINK_DELAY='", text,
+               "': expected comma-separated key=value pairs with keys ms, peer, rank");
+    const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
+    MAPP_CHECK(k == "rank" || k == "peer" || k == "ms", "MAPP_INJECT_LINK_DELAY: unknown key '", k,
+               "' (expected ms, peer, rank)");
+    try {
+      std::size_t used = 0;
+      if (k == "ms") {
+        d.ms = std::stod(v, &used);
+        has_ms = true;
+      } else {
+        (k == "rank" ? d.rank : d.peer) = std::stoi(v, &used);
+        (k == "rank" ? has_rank : has_peer) = true;
+      }
+      MAPP_CHECK(used == v.size(), "MAPP_INJECT_LINK_DELAY: bad value '", v, "' for '", k, "'");
+    } catch (const std::logic_error&) {
+      MAPP_CHECK(false, "MAPP_INJECT_LINK_DELAY: bad value '", v, "' for '", k, "'");
+    }
+    pos = end + 1;
+  }
+  MAPP_CHECK(has_rank && has_peer && has_ms, "MAPP_INJECT_LINK_DELAY='", text,
+             "': rank, peer and ms are required");
+  MAPP_CHECK(d.ms >= 0, "MAPP_INJECT_LINK_DELAY: ms must be >= 0");
+  return d;
 }
 
 }  // namespace mapp::faults

@@ -1,18 +1,23 @@
-// mapp::forward_backward: the pipeline executor for C++ trainers
-// (include/mapp/torch/pipeline.h), action for action the Python executor
-// (python/megatronapp/pipeline/executor.py).
+// mapp::forward_backward: the pipeline executor (include/mapp/torch/pipeline.h),
+// the one implementation under C++ trainers and Python's
+// megatronapp.pipeline.forward_backward.
 #include "mapp/torch/pipeline.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -20,8 +25,10 @@
 #include "c10d_util.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/faults.h"
+#include "mapp/torch/gpu_trace.h"
 #include "mapp/torch/nn.h"
 #include "mapp/torch/ops.h"
+#include "mapp/torch/shm_p2p.h"
 #include "mapp/trace/tracer.h"
 
 namespace mapp {
@@ -44,31 +51,83 @@ const char* trace_name(ActionType t) {
   }
 }
 
+// A posted transfer: a c10d work or a shared-memory one.
+struct Handle {
+  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<torch_ext::ShmWork> shm;
+};
+
+// A send issued `seconds` later from a timer thread (MAPP_INJECT_LINK_DELAY:
+// a slow link; the sender does not wait). The thread runs on the producer's
+// device and stream, so the send is ordered after the tensor's producer.
+class DelayedSend {
+ public:
+  DelayedSend(std::function<Handle()> issue, double seconds, const at::Device& device) {
+    std::optional<c10::Stream> stream;
+    if (!device.is_cpu())
+      stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+    thread_ = std::thread([this, issue = std::move(issue), seconds, stream] {
+      std::optional<c10::StreamGuard> guard;
+      if (stream) guard.emplace(*stream);
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      try {
+        handle_ = issue();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+    });
+  }
+  ~DelayedSend() {
+    if (thread_.joinable()) thread_.join();
+  }
+  DelayedSend(const DelayedSend&) = delete;
+  DelayedSend& operator=(const DelayedSend&) = delete;
+  // The issued send (joins the timer; rethrows what issuing threw).
+  Handle& issued() {
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(error_);
+    return handle_;
+  }
+
+ private:
+  std::thread thread_;
+  Handle handle_;
+  std::exception_ptr error_;
+};
+
 // Non-blocking sends and receives to the pipeline peers, matched by tag.
 class P2P {
  public:
-  P2P(const dist::ParallelState& st, const pipeline::Schedule& s, const PipelineOptions& o,
+  P2P(const PipelineGroups& g, const pipeline::Schedule& s, const PipelineOptions& o,
       PipelineResult& result)
-      : group_(st.pipeline_group()),
-        stage_(st.pp_rank()),
-        m_(s.microbatches),
-        shape_(o.tensor_shape),
-        dtype_(o.dtype),
-        device_(o.device),
-        result_(result) {
-    if (st.pp_size() > 1) pg_ = torch_ext::internal::resolve(group_);
-    // Global ranks of the stages (trace events name them as Python's do).
-    Coord c = st.grid().coord(st.rank());
-    for (int s2 = 0; s2 < st.pp_size(); ++s2) {
-      c.pp = s2;
-      global_.push_back(st.grid().rank(c));
-    }
+      : g_(g), m_(s.microbatches), shape_(o.tensor_shape), dtype_(o.dtype), device_(o.device),
+        trace_(o.trace_actions), result_(result) {
+    if (s.stages > 1) pg_ = torch_ext::internal::resolve(g.pipeline);
+    std::int64_t numel = 1;
+    for (auto d : shape_) numel *= d;
+    split_ = o.scatter_gather && g.tp_size > 1 && !shape_.empty() && numel % g.tp_size == 0
+                 ? g.tp_size : 1;
+    message_ = split_ == 1 ? shape_ : std::vector<std::int64_t>{numel / split_};
+    // On one node, CPU tensors move through shared memory when the group's
+    // transport is attached. A message larger than a ring would move only
+    // while the sender is in a p2p call: those stay on c10d. Every stage
+    // decides alike (shape and dtype are the same everywhere).
+    shm_ = s.stages > 1 && device_.is_cpu() && !shape_.empty() &&
+           torch_ext::shm_p2p_attached(g.pipeline) &&
+           numel / split_ * static_cast<std::int64_t>(c10::elementSize(dtype_)) <=
+               torch_ext::shm_p2p_ring_bytes(g.pipeline);
+    result_.shared_memory = shm_;
+    if (const auto d = faults::injected_link_delay();
+        d && d->rank == g.stage_ranks.at(g.stage))
+      for (std::size_t s2 = 0; s2 < g.stage_ranks.size(); ++s2)
+        if (g.stage_ranks[s2] == d->peer) delay_ = {static_cast<int>(s2), d->ms / 1e3};
   }
 
   // "p2p:<src>-><dst>" of global ranks: megatronapp.trace pairs each send
   // with the receive wait that consumed it by this group and the tag.
   std::string link(int from_stage, int to_stage) const {
-    return "p2p:" + std::to_string(global_[from_stage]) + "->" + std::to_string(global_[to_stage]);
+    return "p2p:" + std::to_string(g_.stage_ranks[from_stage]) + "->" +
+           std::to_string(g_.stage_ranks[to_stage]);
   }
 
   int tag(const Key& k) const {
@@ -78,13 +137,29 @@ class P2P {
 
   void post_recv(const Key& key, int peer) {
     MAPP_CHECK(!shape_.empty(),
-               "forward_backward: PipelineOptions.tensor_shape is required with more than one "
-               "pipeline stage (the shape of the activations between stages, e.g. {seq_length, "
-               "micro_batch_size, hidden_size})");
+               "forward_backward: tensor_shape is required with more than one pipeline stage "
+               "(the shape of the activations between stages, e.g. (seq_length, "
+               "micro_batch_size, hidden_size))");
     Pending r;
-    r.tensors = {at::empty(shape_, at::TensorOptions().dtype(dtype_).device(device_))};
+    r.tensor = at::empty(message_, at::TensorOptions().dtype(dtype_).device(device_));
     r.peer = peer;
-    r.work = pg_->recv(r.tensors, peer, tag(key));
+    {
+      std::optional<trace::Scope> scope;  // a transfer cannot complete before its receive is posted
+      if (trace_) {
+        scope.emplace("recv_post", trace::Category::kP2P);
+        scope->event().lane = trace::kP2PLane;
+        scope->event().microbatch = std::get<1>(key);
+        scope->event().peer = g_.stage_ranks[peer];
+        scope->event().seq = tag(key);
+        scope->event().set_group(link(peer, g_.stage));
+      }
+      if (shm_) {
+        r.handle.shm = torch_ext::shm_irecv(r.tensor, g_.pipeline, peer, tag(key));
+      } else {
+        std::vector<at::Tensor> one{r.tensor};
+        r.handle.work = pg_->recv(one, peer, tag(key));
+      }
+    }
     recvs_.emplace(key, std::move(r));
   }
 
@@ -96,26 +171,33 @@ class P2P {
     recvs_.erase(it);
     const auto t0 = std::chrono::steady_clock::now();
     {
-      trace::Scope scope("recv_wait", trace::Category::kP2P);
-      scope.event().microbatch = std::get<1>(key);
-      scope.event().peer = global_[r.peer];
-      scope.event().seq = tag(key);
-      scope.event().bytes = static_cast<std::int64_t>(r.tensors[0].nbytes());
-      scope.event().set_group(link(r.peer, stage_));
+      std::optional<trace::Scope> scope;
+      if (trace_) {
+        scope.emplace("recv_wait", trace::Category::kP2P);
+        scope->event().microbatch = std::get<1>(key);
+        scope->event().peer = g_.stage_ranks[r.peer];
+        scope->event().seq = tag(key);
+        scope->event().bytes = static_cast<std::int64_t>(r.tensor.nbytes());
+        scope->event().set_group(link(r.peer, g_.stage));
+      }
       wait(r, "receive");
     }
     result_.recv_wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (std::get<0>(key) == 1) {
       // The gradient of this microbatch came back: the next stage ran its
-      // forward, so our activation send to it completed; release it now.
+      // forward, so our activation send to it completed; release it now
+      // instead of holding every output until finish().
       auto s = sends_.find({0, std::get<1>(key), std::get<2>(key) + 1});
       if (s != sends_.end()) {
-        wait(s->second, "send");
+        Pending done = std::move(s->second);
         sends_.erase(s);
+        wait(done, "send");
       }
     }
-    return r.tensors[0];
+    if (split_ > 1)  // every tensor rank received its slice: put them together
+      return torch_ext::all_gather(r.tensor, 0, g_.tensor).view(shape_);
+    return r.tensor;
   }
 
   void send(const Key& key, const at::Tensor& tensor, int peer) {
@@ -124,55 +206,85 @@ class P2P {
       MAPP_CHECK(false, "forward_backward: a stage produced a tensor of shape ", t.sizes(),
                  " and dtype ", t.scalar_type(), " but tensor_shape=", at::IntArrayRef(shape_),
                  ", dtype=", dtype_, " were given; every stage boundary must match them");
+    if (split_ > 1) {
+      const std::int64_t k = t.numel() / split_;
+      t = t.view(-1).narrow(0, g_.tp_rank * k, k);
+    }
     Pending s;
-    s.tensors = {t};
+    s.tensor = t;
     s.peer = peer;
+    const int tg = tag(key);
     {
-      trace::Scope scope("send", trace::Category::kP2P);
-      scope.event().lane = trace::kP2PLane;
-      scope.event().microbatch = std::get<1>(key);
-      scope.event().peer = global_[peer];
-      scope.event().seq = tag(key);
-      scope.event().bytes = static_cast<std::int64_t>(t.nbytes());
-      scope.event().set_group(link(stage_, peer));
-      s.work = pg_->send(s.tensors, peer, tag(key));
+      std::optional<trace::Scope> scope;
+      if (trace_) {
+        scope.emplace("send", trace::Category::kP2P);
+        scope->event().lane = trace::kP2PLane;
+        scope->event().microbatch = std::get<1>(key);
+        scope->event().peer = g_.stage_ranks[peer];
+        scope->event().seq = tg;
+        scope->event().bytes = static_cast<std::int64_t>(t.nbytes());
+        scope->event().set_group(link(g_.stage, peer));
+      }
+      auto issue = [t, peer, tg, shm = shm_, pg = pg_, group = g_.pipeline] {
+        Handle h;
+        if (shm) {
+          h.shm = torch_ext::shm_isend(t, group, peer, tg);
+        } else {
+          std::vector<at::Tensor> one{t};
+          h.work = pg->send(one, peer, tg);
+        }
+        return h;
+      };
+      if (delay_ && delay_->first == peer)
+        s.delayed = std::make_shared<DelayedSend>(std::move(issue), delay_->second, device_);
+      else
+        s.handle = issue();
     }
     result_.sent_bytes += static_cast<std::int64_t>(t.nbytes());
     sends_.emplace(key, std::move(s));
   }
 
   void finish() {
-    for (auto& [key, s] : sends_) wait(s, "send");  // exactly once each (Gloo)
+    std::map<Key, Pending> sends = std::move(sends_);
     sends_.clear();
+    for (auto& [key, s] : sends) wait(s, "send");  // exactly once each (Gloo)
     MAPP_CHECK_STATE(recvs_.empty(), "forward_backward: ", recvs_.size(),
                      " receives were posted but never used (a malformed schedule)");
   }
 
  private:
   struct Pending {
-    std::vector<at::Tensor> tensors;
-    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor tensor;  // the receive buffer, or the payload kept alive until the send completes
+    Handle handle;
+    std::shared_ptr<DelayedSend> delayed;
     int peer = -1;
   };
 
   void wait(Pending& p, const char* what) {
     try {
-      p.work->wait(torch_ext::internal::collective_timeout());
+      Handle& h = p.delayed ? p.delayed->issued() : p.handle;
+      if (h.shm)
+        h.shm->wait(-1);
+      else
+        h.work->wait(torch_ext::internal::collective_timeout());
     } catch (const std::exception& e) {
       MAPP_FAIL_BACKEND("forward_backward: pipeline ", what, " with stage ", p.peer, " on group '",
-                        group_, "' failed (stage ", stage_,
+                        g_.pipeline, "' failed (stage ", g_.stage,
                         "; MAPP_COLLECTIVE_TIMEOUT_S bounds the wait): ", e.what());
     }
   }
 
-  std::string group_;
-  int stage_, m_;
-  std::vector<std::int64_t> shape_;
+  const PipelineGroups& g_;
+  int m_;
+  std::vector<std::int64_t> shape_, message_;
   at::ScalarType dtype_;
   at::Device device_;
+  bool trace_;
   PipelineResult& result_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  std::vector<int> global_;  // stage -> global rank
+  int split_ = 1;
+  bool shm_ = false;
+  std::optional<std::pair<int, double>> delay_;  // (peer stage, seconds)
   std::map<Key, Pending> recvs_, sends_;
 };
 
@@ -200,23 +312,137 @@ std::set<std::size_t> final_backwards(const std::vector<Action>& actions) {
   return out;
 }
 
+// The chunks' gradient synchronizers for one step: reductions deferred to
+// the step's end, sync switched per backward; the reducers' own state is
+// restored on every exit (an exception included).
+class SyncControl {
+ public:
+  SyncControl(const std::vector<PipelineChunk>& chunks, bool active) : chunks_(chunks) {
+    if (!active) return;
+    for (const auto& c : chunks) {
+      GradReducer* r = c.reducer != nullptr ? c.reducer
+                       : c.ddp != nullptr   ? &c.ddp->reducer()
+                                            : nullptr;
+      reducers_.push_back(r);
+      saved_.emplace_back(r != nullptr && r->sync(), r != nullptr && r->finish_at_backward_end());
+      if (r != nullptr) r->set_finish_at_backward_end(false);
+    }
+  }
+  ~SyncControl() {
+    for (std::size_t c = 0; c < reducers_.size(); ++c)
+      if (reducers_[c] != nullptr) {
+        reducers_[c]->set_sync(saved_[c].first);
+        reducers_[c]->set_finish_at_backward_end(saved_[c].second);
+      }
+  }
+  SyncControl(const SyncControl&) = delete;
+  SyncControl& operator=(const SyncControl&) = delete;
+
+  // Before a backward action of chunk c: reduce only in its final ones.
+  void before_backward(int c, bool final) {
+    if (reducers_.empty()) return;
+    if (reducers_[c] != nullptr)
+      reducers_[c]->set_sync(final && saved_[c].first);
+    else if (chunks_[c].set_sync)
+      chunks_[c].set_sync(final);
+  }
+
+  void finish() {
+    for (std::size_t c = 0; c < reducers_.size(); ++c) {
+      if (reducers_[c] != nullptr) {
+        reducers_[c]->finish_grad_sync();
+      } else if (chunks_[c].set_sync) {
+        chunks_[c].set_sync(true);
+        if (chunks_[c].finish_sync) chunks_[c].finish_sync();
+      } else if (chunks_[c].finish_sync) {
+        chunks_[c].finish_sync();
+      }
+    }
+  }
+
+ private:
+  const std::vector<PipelineChunk>& chunks_;
+  std::vector<GradReducer*> reducers_;
+  std::vector<std::pair<bool, bool>> saved_;  // (sync, finish_at_backward_end)
+};
+
+// The trace event of one compute action: the thread's CPU time as busy time
+// on a CPU device, CUDA events with gpu_busy_time.
+class ComputeTrace {
+ public:
+  ComputeTrace(ActionType type, int mb, int chunk, const PipelineOptions& o) {
+    trace::Tracer* t = trace::global();
+    if (!o.trace_actions || t == nullptr || !t->enabled()) return;
+    tracer_ = t;
+    e_.set_name(trace_name(type));
+    e_.category = trace::Category::kCompute;
+    e_.lane = trace::thread_lane();
+    e_.microbatch = mb;
+    e_.chunk = chunk;
+    if (o.gpu_busy_time && torch_ext::gpu_timers_available())
+      gpu_ = torch_ext::gpu_timer_begin();
+    else if (o.device.is_cpu())
+      cpu0_ = faults::thread_time_ns();
+    e_.start_ns = t->now_ns();
+  }
+  void end() {
+    if (tracer_ == nullptr) return;
+    e_.end_ns = tracer_->now_ns();
+    if (gpu_ >= 0) {
+      torch_ext::gpu_timer_end(gpu_, e_);
+    } else {
+      if (cpu0_ >= 0) e_.busy_ns = faults::thread_time_ns() - cpu0_;
+      tracer_->record(e_);
+    }
+    tracer_ = nullptr;
+  }
+
+ private:
+  trace::Tracer* tracer_ = nullptr;
+  trace::Event e_;
+  std::int64_t gpu_ = -1, cpu0_ = -1;
+};
+
 }  // namespace
+
+PipelineGroups PipelineGroups::of(const dist::ParallelState& st) {
+  PipelineGroups g;
+  g.pipeline = st.pp_size() > 1 ? st.pipeline_group() : "";
+  g.stage = st.pp_rank();
+  Coord c = st.grid().coord(st.rank());
+  for (int s = 0; s < st.pp_size(); ++s) {
+    c.pp = s;
+    g.stage_ranks.push_back(st.grid().rank(c));
+  }
+  g.tensor = st.tensor_group();
+  g.tp_rank = st.tp_rank();
+  g.tp_size = st.tp_size();
+  return g;
+}
 
 PipelineResult forward_backward(const pipeline::Schedule& schedule,
                                 const std::vector<PipelineChunk>& chunks,
                                 const std::function<at::Tensor(int)>& inputs,
                                 const std::function<at::Tensor(const at::Tensor&, int)>& loss_fn,
                                 const dist::ParallelState& st, const PipelineOptions& options) {
+  return forward_backward(schedule, chunks, inputs, loss_fn, PipelineGroups::of(st), options);
+}
+
+PipelineResult forward_backward(const pipeline::Schedule& schedule,
+                                const std::vector<PipelineChunk>& chunks,
+                                const std::function<at::Tensor(int)>& inputs,
+                                const std::function<at::Tensor(const at::Tensor&, int)>& loss_fn,
+                                const PipelineGroups& groups, const PipelineOptions& options) {
   const int p = schedule.stages, m = schedule.microbatches, v = schedule.chunks;
-  MAPP_CHECK(p == st.pp_size(), "forward_backward: schedule '", schedule.name, "' has ", p,
-             " stages but the pipeline-parallel size is ", st.pp_size());
+  const int pp = static_cast<int>(groups.stage_ranks.size());
+  MAPP_CHECK(p == pp, "forward_backward: schedule '", schedule.name, "' has ", p,
+             " stages but the pipeline-parallel size is ", pp);
   MAPP_CHECK(static_cast<int>(chunks.size()) == v, "forward_backward: schedule '", schedule.name,
              "' has ", v, " chunks per stage but ", chunks.size(), " model chunks were given");
-  const int stage = st.pp_rank();
-  MAPP_CHECK(schedule.placement == pipeline::Placement::kLoop, "forward_backward (C++ trainers): "
-             "schedule '", schedule.name, "' places its chunks in a wave (zb-v), which only the "
-             "Python executor (pretrain_gpt.py) runs so far; use 1f1b, interleaved, zero-bubble "
-             "or dynamic here");
+  for (std::size_t c = 0; c < chunks.size(); ++c)
+    MAPP_CHECK(chunks[c].forward || chunks[c].forward_microbatch, "forward_backward: chunk ", c,
+               " has no forward");
+  const int stage = groups.stage;
   MAPP_CHECK(p == 1 || schedule.has_communication(), "forward_backward: schedule '", schedule.name,
              "' has no sends or receives (pipeline::add_communication inserts them)");
   std::vector<Action> actions;
@@ -227,32 +453,36 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
 
   PipelineResult result;
   const auto t_step = std::chrono::steady_clock::now();
-  P2P p2p(st, schedule, options, result);
+  P2P p2p(groups, schedule, options, result);
   const std::set<std::size_t> final =
       options.forward_only ? std::set<std::size_t>{} : final_backwards(actions);
-  // (kind, microbatch, chunk) -> the peer stage its input comes from
-  std::map<Key, int> recv_peer;
-  for (const Action& a : actions)
-    if (a.type == ActionType::kRecvActivation || a.type == ActionType::kRecvGrad)
-      recv_peer[{a.type == ActionType::kRecvActivation ? 0 : 1, a.microbatch, a.chunk}] = a.peer;
+  const int last_vs = p * v - 1;
+  // Each chunk's virtual stage, and the hand-offs between two chunks of this
+  // stage (wave placement): whether its input / output stays on the stage.
+  std::vector<int> vstage(v);
+  std::vector<bool> local_in(v), local_out(v);
+  for (int c = 0; c < v; ++c) {
+    const int vs = vstage[c] = schedule.vstage(stage, c);
+    local_in[c] = vs > 0 && schedule.stage_of(vs - 1) == stage;
+    local_out[c] = vs < last_vs && schedule.stage_of(vs + 1) == stage;
+  }
+  std::map<Key, at::Tensor> handed;  // (kind, mb, consuming vstage) -> tensor
 
   std::map<std::pair<int, int>, at::Tensor> input_of, output_of;  // (mb, chunk)
   std::map<std::pair<int, int>, nn::WeightGradStore> wstore;
   std::map<std::string, std::pair<double, int>> times;
-  std::unique_ptr<at::NoGradGuard> no_grad;
-  if (options.forward_only) no_grad = std::make_unique<at::NoGradGuard>();
-  const int last_vs = p * v - 1;
+  std::optional<at::NoGradGuard> no_grad;
+  if (options.forward_only) no_grad.emplace();
   int live = 0;
   // MAPP_INJECT_SLOWDOWN naming this rank: its actions do `factor` x their work.
-  std::optional<faults::Slowdown> slow = faults::injected_slowdown();
-  if (slow && (slow->rank != st.rank() || slow->factor == 1.0)) slow.reset();
-  // Synchronize only where the executor says (final backwards); restored after.
-  for (const auto& c : chunks)
-    if (c.ddp != nullptr && !options.forward_only) c.ddp->set_sync(false);
+  std::optional<faults::Slowdown> slow;
+  if (options.inject_slowdown) slow = faults::injected_slowdown();
+  if (slow && (slow->rank != groups.stage_ranks[stage] || slow->factor == 1.0)) slow.reset();
+  SyncControl sync(chunks, !options.forward_only);
 
   for (std::size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
-    const int mb = a.microbatch, c = a.chunk, vs = c * p + stage;
+    const int mb = a.microbatch, c = a.chunk, vs = vstage[c];
     const std::pair<int, int> id{mb, c};
     switch (a.type) {
       case ActionType::kRecvActivation:
@@ -261,16 +491,21 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
       case ActionType::kRecvGrad:
         p2p.post_recv({1, mb, vs}, a.peer);
         continue;
-      case ActionType::kSendActivation:
-        p2p.send({0, mb, vs + 1}, output_of.at(id), a.peer);
-        if (options.forward_only) output_of.erase(id);
+      case ActionType::kSendActivation: {
+        auto it = output_of.find(id);
+        MAPP_CHECK_STATE(it != output_of.end(), "forward_backward: no output of microbatch ", mb,
+                         " chunk ", c, " to send (did its forward run?)");
+        p2p.send({0, mb, vs + 1}, it->second, a.peer);
+        if (options.forward_only) output_of.erase(it);
         continue;
+      }
       case ActionType::kSendGrad: {
-        const at::Tensor x = input_of.at(id);
-        MAPP_CHECK_STATE(x.grad().defined(), "forward_backward: no input gradient of microbatch ",
-                         mb, " chunk ", c, " to send (did its backward run?)");
-        p2p.send({1, mb, vs - 1}, x.grad(), a.peer);
-        input_of.erase(id);
+        auto it = input_of.find(id);
+        MAPP_CHECK_STATE(it != input_of.end() && it->second.grad().defined(),
+                         "forward_backward: no input gradient of microbatch ", mb, " chunk ", c,
+                         " to send (did its backward run?)");
+        p2p.send({1, mb, vs - 1}, it->second.grad(), a.peer);
+        input_of.erase(it);
         continue;
       }
       default:
@@ -279,74 +514,91 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
     at::Tensor x, dy;
     if (a.type == ActionType::kForward) {
       if (vs == 0) {
-        x = inputs(mb);
+        if (inputs) x = inputs(mb);
+      } else if (local_in[c]) {
+        auto it = handed.find({0, mb, vs});
+        MAPP_CHECK_STATE(it != handed.end(), "forward_backward: F of microbatch ", mb,
+                         " chunk ", c, " before the previous chunk's forward on this stage");
+        x = std::move(it->second);
+        handed.erase(it);
       } else {
         x = p2p.wait_recv({0, mb, vs});
-        if (!options.forward_only) x.requires_grad_(true);
       }
+      if (vs > 0 && !options.forward_only) x.requires_grad_(true);
     } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
                vs < last_vs) {
-      dy = p2p.wait_recv({1, mb, vs});
+      if (local_out[c]) {
+        auto it = handed.find({1, mb, vs});
+        MAPP_CHECK_STATE(it != handed.end(), "forward_backward: backward of microbatch ", mb,
+                         " chunk ", c, " before the next chunk's backward on this stage");
+        dy = std::move(it->second);
+        handed.erase(it);
+      } else {
+        dy = p2p.wait_recv({1, mb, vs});
+      }
     }
-    trace::Scope scope(trace_name(a.type), trace::Category::kCompute);
-    scope.event().microbatch = mb;
-    scope.event().chunk = c;
+    ComputeTrace scope(a.type, mb, c, options);
     const auto t0 = std::chrono::steady_clock::now();
-    // On CPU the device's busy time is this thread's CPU time (as Python's
-    // trace scopes record it): waiting for a core does not count, so the
-    // slow-rank detector compares work, not scheduling luck.
-    const bool cpu_busy = options.device.is_cpu() && trace::global() != nullptr;
-    const std::int64_t thread_t0 = slow || cpu_busy ? faults::thread_time_ns() : 0;
-    DistributedDataParallel* ddp = chunks[c].ddp;
-    if (ddp != nullptr && !options.forward_only) ddp->set_sync(final.count(i) > 0);
-    const char* kind = pipeline::type_name(a.type);
+    const std::int64_t thread_t0 = slow ? faults::thread_time_ns() : 0;
     if (a.type == ActionType::kForward) {
-      at::Tensor out = chunks[c].forward(x);
+      const PipelineChunk& chunk = chunks[c];
+      at::Tensor out = chunk.forward_microbatch ? chunk.forward_microbatch(x, mb) : chunk.forward(x);
       if (vs == last_vs) {
-        const at::Tensor loss = loss_fn(out, mb);
+        const at::Tensor loss = loss_fn ? loss_fn(out, mb) : out;
         result.losses.push_back(loss.detach());
         out = loss / m;
       }
-      if (!(options.forward_only && vs == last_vs)) {
+      if (local_out[c])  // as if sent: a copy, so the two chunks share no storage
+        handed[{0, mb, vs + 1}] = out.detach().clone();
+      if (!(options.forward_only && (vs == last_vs || local_out[c]))) {
         input_of[id] = x;
         output_of[id] = out;
       }
       result.peak_activations = std::max(result.peak_activations, ++live);
-    } else if (a.type == ActionType::kBackwardWeight) {
-      auto it = wstore.find(id);
-      MAPP_CHECK_STATE(it != wstore.end(), "forward_backward: W of microbatch ", mb, " chunk ", c,
-                       " before its BI");
-      nn::run_weight_grads(it->second);
-      wstore.erase(it);
-      --live;
     } else {
-      const at::Tensor out = output_of.at(id);
-      output_of.erase(id);
-      const std::vector<at::Tensor> grad =
-          vs == last_vs ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{dy};
-      if (a.type == ActionType::kBackwardInput) {
-        nn::DeferringGuard deferring(wstore[id]);
-        torch::autograd::backward({out}, grad);
-      } else {
-        torch::autograd::backward({out}, grad);
+      sync.before_backward(c, final.count(i) > 0);
+      if (a.type == ActionType::kBackwardWeight) {
+        auto it = wstore.find(id);
+        MAPP_CHECK_STATE(it != wstore.end(), "forward_backward: W of microbatch ", mb, " chunk ",
+                         c, " before its BI");
+        nn::run_weight_grads(it->second);
+        wstore.erase(it);
         --live;
+      } else {
+        auto it = output_of.find(id);
+        MAPP_CHECK_STATE(it != output_of.end(), "forward_backward: backward of microbatch ", mb,
+                         " chunk ", c, " before its forward");
+        const at::Tensor out = std::move(it->second);
+        output_of.erase(it);
+        const std::vector<at::Tensor> grad =
+            vs == last_vs ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{dy};
+        if (a.type == ActionType::kBackwardInput) {
+          nn::DeferringGuard deferring(wstore[id]);
+          torch::autograd::backward({out}, grad);
+        } else {
+          torch::autograd::backward({out}, grad);
+          --live;
+        }
+        if (vs == 0) {
+          input_of.erase(id);  // nothing to send back
+        } else if (local_in[c]) {
+          handed[{1, mb, vs - 1}] = input_of.at(id).grad();
+          input_of.erase(id);
+        }
       }
-      if (vs == 0) input_of.erase(id);  // nothing to send back
     }
     if (slow && faults::iteration() >= slow->start &&
         (a.type == ActionType::kForward ? slow->forward : slow->backward))
       faults::stall_since(thread_t0, slow->factor - 1.0);
-    if (cpu_busy) scope.event().busy_ns = faults::thread_time_ns() - thread_t0;
-    auto& [sum, n] = times[kind];
+    scope.end();
+    auto& [sum, n] = times[pipeline::type_name(a.type)];
     sum += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++n;
   }
   p2p.finish();
-  for (const auto& c : chunks)
-    if (c.ddp != nullptr && !options.forward_only) {
-      c.ddp->finish_grad_sync();
-      c.ddp->set_sync(true);
-    }
+  MAPP_CHECK_STATE(handed.empty(), "forward_backward: ", handed.size(),
+                   " hand-offs between chunks were never used (a malformed schedule)");
+  if (!options.forward_only) sync.finish();
   for (const auto& [k, sn] : times) result.compute_time[k] = sn.first / sn.second;
   result.step_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count();

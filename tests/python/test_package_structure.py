@@ -203,6 +203,13 @@ ONE_ENGINE = {
         "src/torch/ddp.cc",
         ("_hysteresis_tracker", "scale * self.backoff_factor", "--hysteresis_tracker_"),
     ),
+    "pipeline executor (tagged P2P, hand-offs between chunks, final backwards, delayed sends)": (
+        "src/torch/pipeline.cc",
+        # posting / waiting on a transfer by key, the chunks' last backwards,
+        # the wave placement's hand-offs, the link-delay fault's timer send
+        ("wait_recv", "post_recv", "final_backwards", "DelayedSend", "local_out[",
+         "peak_activations = max("),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

@@ -207,3 +207,108 @@ def test_scatter_gather_between_stages_is_bit_identical(tmp_path, layout):
     results = run_ranks(train_variants, 4, GPT_FLAGS + layout, variants, str(tmp_path),
                         timeout=400)
     assert_variants_identical(results, list(variants))
+
+
+def _engine_unwinds(rank, world):
+    """One stage: exceptions from a chunk's forward, from a custom autograd
+    Function's backward and from the loss reach the caller as themselves, and
+    the DDP reducer's switches the engine flips during a step are restored."""
+    import megatronapp as mapp
+    from megatronapp import pipeline
+
+    mapp.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    net = mapp.data_parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    sched = pipeline.Schedule.by_name("1f1b", 1, 3)
+    data = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(3)]
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise KeyError("boom in backward")
+
+    def bad_forward_loss(out, y):
+        raise ZeroDivisionError("boom in the loss")
+
+    seen = []
+    for name, loss in [("loss", bad_forward_loss),
+                       ("backward", lambda out, y: Boom.apply(out).sum())]:
+        try:
+            pipeline.forward_backward(sched, net, iter(data), loss)
+        except Exception as e:  # noqa: BLE001 - the type is the point
+            seen.append((name, type(e).__name__, str(e)))
+        r = net._reducer
+        seen.append((name, r.sync, r.finish_at_backward_end))
+    # After the failures a normal step runs, with the same gradients as autograd.
+    net.zero_grad_buffer()
+    res = pipeline.forward_backward(sched, net, iter(data), lambda o, y: (o - y).pow(2).mean())
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(net.module.state_dict())
+    for x, y in data:
+        ((ref(x) - y).pow(2).mean() / 3).backward()
+    return seen, float((net.module.weight.grad - ref.weight.grad).abs().max()), len(res.losses)
+
+
+def test_engine_exceptions_surface_as_themselves_and_restore_the_reducer():
+    seen, err, n = run_ranks(_engine_unwinds, 1)[0]
+    assert seen[0] == ("loss", "ZeroDivisionError", "boom in the loss"), seen
+    assert seen[2][:2] == ("backward", "KeyError") and "boom in backward" in seen[2][2], seen
+    assert seen[1] == ("loss", True, True) and seen[3] == ("backward", True, True), seen
+    assert err < 1e-6 and n == 3
+
+
+def _gil_released(rank, world):
+    """Stage 1 waits for stage 0's slow forward inside the engine: a Python
+    thread (as the dead-rank watchdog's heartbeat) keeps running meanwhile."""
+    import threading
+    import time
+
+    import megatronapp as mapp
+    from megatronapp import pipeline
+
+    st = mapp.initialize_model_parallel(1, 2)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+
+    def slow(x):
+        if st.pp_rank == 0:
+            t = time.monotonic() + 0.6
+            while time.monotonic() < t:  # busy: holds the GIL on rank 0 only
+                pass
+        return lin(x)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return slow(x)
+
+    ticks, stop = [0], threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.01)
+
+    data = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(2)]
+    th = threading.Thread(target=beat, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    pipeline.forward_backward(pipeline.Schedule.by_name("1f1b", 2, 2), Chunk(), iter(data),
+                              lambda o, y: (o - y).pow(2).mean(), tensor_shape=(2, 4))
+    wall = time.monotonic() - t0
+    stop.set()
+    th.join()
+    return ticks[0], wall
+
+
+def test_engine_releases_the_gil_while_it_waits():
+    ticks, wall = run_ranks(_gil_released, 2)[1]
+    assert wall > 1.0, wall  # stage 1 waited for two slow forwards
+    assert ticks > 0.5 * wall / 0.01 * 0.5, (ticks, wall)  # the heartbeat thread kept beating

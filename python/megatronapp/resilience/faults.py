@@ -80,11 +80,9 @@ def _ranks(text: str):
 
 
 def link_delay() -> dict | None:
-    """The parsed MAPP_INJECT_LINK_DELAY, or None."""
-    spec = _parse("MAPP_INJECT_LINK_DELAY", {"rank": int, "peer": int, "ms": float})
-    if spec is not None and spec["ms"] < 0:
-        raise ValueError("MAPP_INJECT_LINK_DELAY: ms must be >= 0")
-    return spec
+    """The parsed MAPP_INJECT_LINK_DELAY ({"rank", "peer", "ms"}), or None:
+    the pipeline engine (mapp::forward_backward) reads it and delays the sends."""
+    return _C.pipeline.injected_link_delay()
 
 
 def expert_skew() -> dict | None:

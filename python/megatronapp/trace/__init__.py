@@ -36,7 +36,7 @@ from .. import _C
 _tr = _C.trace
 
 __all__ = ["start", "stop", "scope", "record", "begin_iteration", "enabled", "full",
-           "active", "stats", "trace_path", "BusyTimer"]
+           "active", "stats", "trace_path", "BusyTimer", "gpu_timing"]
 
 _STATE = {"interval": 1, "iterations": None, "granularity": "full", "dir": None, "rank": 0,
           "cuda": False}
@@ -99,6 +99,12 @@ def enabled() -> bool:
 def full() -> bool:
     """True while tracing at full granularity (per-microbatch events)."""
     return _STATE["granularity"] == "full" and _tr.enabled()
+
+
+def gpu_timing() -> bool:
+    """True when compute events take their busy time from CUDA events
+    (``start(device="cuda")`` on a build with CUDA)."""
+    return bool(_STATE["cuda"])
 
 
 def begin_iteration(it: int) -> bool:
