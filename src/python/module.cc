@@ -747,6 +747,9 @@ void register_reducer(py::module_& m) {
                    "chunk_range: bucket ", bucket, " out of range");
         return r.chunk_range(r.buckets()[bucket], sharded);
       }, py::arg("bucket"), py::arg("sharded"))
+      .def("main_params", &GradReducer::main_params, py::arg("sharded"))
+      .def("main_grads", &GradReducer::main_grads, py::arg("sharded"))
+      .def("write_back", &GradReducer::write_back, py::arg("mains"), py::arg("sharded"))
       .def("all_gather_params", &GradReducer::all_gather_params,
            py::call_guard<py::gil_scoped_release>())
       .def("spec", &GradReducer::spec)

@@ -449,6 +449,46 @@ std::vector<GradReducer::Piece> GradReducer::pieces(bool sharded) const {
   return out;
 }
 
+namespace {
+// The elements of piece `pc` in a parameter's flat storage (its values).
+at::Tensor piece_values(const GradBucket& b, const GradReducer::Piece& pc, bool sharded) {
+  if (sharded) return b.param_data.slice(0, pc.lo, pc.hi);
+  return b.params[pc.slot].detach().reshape(-1).slice(0, pc.param_lo,
+                                                      pc.param_lo + pc.hi - pc.lo);
+}
+}  // namespace
+
+std::vector<at::Tensor> GradReducer::main_params(bool sharded) const {
+  MAPP_CHECK(!sharded || zero_, "main_params(sharded=True) needs ZeRO-1 buckets "
+             "(enable_distributed_optimizer first)");
+  std::vector<at::Tensor> out;
+  for (const Piece& pc : pieces(sharded))
+    out.push_back(piece_values(buckets_[pc.bucket], pc, sharded).detach().to(at::kFloat).clone());
+  return out;
+}
+
+std::vector<at::Tensor> GradReducer::main_grads(bool sharded) const {
+  std::vector<at::Tensor> out;
+  for (const Piece& pc : pieces(sharded)) {
+    const GradBucket& b = buckets_[pc.bucket];
+    MAPP_CHECK(b.grad_data.scalar_type() == at::kFloat, "the optimizer keeps float32 main "
+               "gradients, but a bucket holds ", b.grad_data.scalar_type(), " gradients: wrap "
+               "the model with DistributedDataParallel(..., grad_reduce_in_fp32=True)");
+    out.push_back(sharded ? b.shard.slice(0, pc.shard_lo, pc.shard_lo + pc.hi - pc.lo)
+                          : b.grad_data.slice(0, pc.lo, pc.hi));
+  }
+  return out;
+}
+
+void GradReducer::write_back(const std::vector<at::Tensor>& mains, bool sharded) {
+  const std::vector<Piece> pcs = pieces(sharded);
+  MAPP_CHECK(mains.size() == pcs.size(), "write_back: ", mains.size(), " main tensors for ",
+             pcs.size(), " pieces");
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < pcs.size(); ++i)
+    piece_values(buckets_[pcs[i].bucket], pcs[i], sharded).copy_(mains[i]);
+}
+
 void GradReducer::all_gather_params() {
   MAPP_CHECK(zero_, "all_gather_params needs ZeRO-1 buckets (a DistributedOptimizer)");
   at::NoGradGuard no_grad;
@@ -682,18 +722,22 @@ DistributedOptimizer::DistributedOptimizer(const std::vector<DistributedDataPara
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& p : groups[g].params) group_of[p.unsafeGetTensorImpl()] = g;
   std::vector<std::vector<at::Tensor>> by_group(groups.size());
-  for (DistributedDataParallel* ddp : ddps_)
-    for (const auto& pc : ddp->reducer().pieces(/*sharded=*/true)) {
-      GradBucket* b = &ddp->buckets()[pc.bucket];
-      const at::Tensor& param = b->params[pc.slot];
-      at::Tensor main = b->param_data.slice(0, pc.lo, pc.hi).detach().to(at::kFloat).clone();
+  for (DistributedDataParallel* ddp : ddps_) {
+    GradReducer& r = ddp->reducer();
+    const std::vector<GradReducer::Piece> pcs = r.pieces(/*sharded=*/true);
+    const std::vector<at::Tensor> mains = r.main_params(true), grads = r.main_grads(true);
+    for (std::size_t i = 0; i < pcs.size(); ++i) {
+      const auto& pc = pcs[i];
+      const at::Tensor& param = ddp->buckets()[pc.bucket].params[pc.slot];
+      at::Tensor main = mains[i];
       main.set_requires_grad(true);
       const auto it = group_of.find(param.unsafeGetTensorImpl());
       MAPP_CHECK(it != group_of.end(), "DistributedOptimizer: a parameter of the model is in no ",
                  "parameter group (every parameter must be in exactly one)");
-      pieces_.push_back({b, param, pc.lo, pc.hi, pc.shard_lo, pc.param_lo, main});
+      pieces_.push_back({ddp, param, pc.param_lo, pc.param_lo + pc.hi - pc.lo, main, grads[i]});
       by_group[it->second].push_back(main);
     }
+  }
   std::vector<torch::optim::OptimizerParamGroup> inner;
   for (std::size_t g = 0; g < groups.size(); ++g)
     inner.emplace_back(by_group[g],
@@ -712,7 +756,7 @@ double DistributedOptimizer::clip_grad_norm(double max_norm) {
   Pairs pairs;
   for (auto& pc : pieces_) {
     if (!finished_)  // the averaged fp32 gradient of the piece: a view into its shard
-      pc.main.mutable_grad() = pc.bucket->shard.slice(0, pc.shard_lo, pc.shard_lo + pc.hi - pc.lo);
+      pc.main.mutable_grad() = pc.grad;
     pairs.emplace_back(pc.param, pc.main.grad());
   }
   if (!finished_) {
@@ -728,9 +772,12 @@ double DistributedOptimizer::clip_grad_norm(double max_norm) {
 void DistributedOptimizer::step() {
   if (!finished_) clip_grad_norm(0.0);
   optimizer_->step();
-  at::NoGradGuard no_grad;
-  for (auto& pc : pieces_) pc.bucket->param_data.slice(0, pc.lo, pc.hi).copy_(pc.main);
-  for (DistributedDataParallel* ddp : ddps_) ddp->reducer().all_gather_params();
+  std::map<DistributedDataParallel*, std::vector<at::Tensor>> mains;
+  for (auto& pc : pieces_) mains[pc.ddp].push_back(pc.main);
+  for (DistributedDataParallel* ddp : ddps_) {
+    ddp->reducer().write_back(mains[ddp], /*sharded=*/true);
+    ddp->reducer().all_gather_params();
+  }
   finished_ = false;
 }
 
@@ -742,7 +789,7 @@ void DistributedOptimizer::set_lr(double lr) {
 std::vector<Shard> DistributedOptimizer::shards() const {
   std::vector<Shard> out;
   for (const auto& pc : pieces_)
-    out.push_back({pc.param, pc.param_lo, pc.param_lo + pc.hi - pc.lo, pc.main});
+    out.push_back({pc.param, pc.param_lo, pc.param_hi, pc.main});
   return out;
 }
 

@@ -199,6 +199,11 @@ ONE_ENGINE = {
         "src/torch/ddp.cc",
         ("param_data.numel() // ", "lo - s_lo", "param_data.numel() / torch_ext::group_size"),
     ),
+    "optimizer main parameters (fp32 copies of the pieces, their gradient views, write-back)": (
+        "src/torch/ddp.cc",
+        ("detach().float().clone()", "copy_(pc.main)", "to(at::kFloat).clone()",
+         "shard_lo + pc.hi - pc.lo"),
+    ),
     "loss scaler (fp16: hysteresis, backoff, growth)": (
         "src/torch/ddp.cc",
         ("_hysteresis_tracker", "scale * self.backoff_factor", "--hysteresis_tracker_"),

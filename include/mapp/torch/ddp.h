@@ -155,6 +155,17 @@ class GradReducer {
     std::int64_t lo, hi, shard_lo, param_lo;
   };
   std::vector<Piece> pieces(bool sharded) const;
+  // The mixed-precision optimizers' side of the layout, piece by piece in
+  // pieces(sharded) order (the one implementation under Python's
+  // MixedPrecisionOptimizer / DistributedOptimizer and C++'s
+  // DistributedOptimizer): float32 copies of the pieces' current values (the
+  // main parameters the inner optimizer updates), views of their averaged
+  // float32 gradients (the bucket's, or with ZeRO-1 its shard's), and the
+  // write-back of updated main values into the model's parameters (ZeRO-1:
+  // into this rank's chunk of each bucket; the caller then all-gathers).
+  std::vector<at::Tensor> main_params(bool sharded) const;
+  std::vector<at::Tensor> main_grads(bool sharded) const;
+  void write_back(const std::vector<at::Tensor>& mains, bool sharded);
   // [lo, hi) of bucket `b` this rank updates (ZeRO-1: its chunk; else all of it).
   std::pair<std::int64_t, std::int64_t> chunk_range(const GradBucket& b, bool sharded) const;
   // ZeRO-1, blocking: every member's updated chunk of each bucket's
@@ -379,11 +390,10 @@ class DistributedOptimizer {
 
  private:
   struct Piece {
-    GradBucket* bucket;
+    DistributedDataParallel* ddp;
     at::Tensor param;
-    std::int64_t lo, hi;  // bucket coordinates
-    std::int64_t shard_lo, param_lo;
-    at::Tensor main;
+    std::int64_t param_lo, param_hi;  // the piece's elements of the flat parameter
+    at::Tensor main, grad;            // float32 main values; the averaged gradient (a view)
   };
   std::vector<DistributedDataParallel*> ddps_;
   const dist::ParallelState& state_;

@@ -84,6 +84,7 @@ class _Piece:
     shard_lo: int  # the same range relative to this rank's chunk
     param_lo: int  # the same range relative to the parameter
     main: torch.Tensor  # float32 copy the inner optimizer updates
+    grad: torch.Tensor  # its averaged float32 gradient: a view into the bucket (or ZeRO-1 shard)
 
 
 class MixedPrecisionOptimizer:
@@ -107,12 +108,6 @@ class MixedPrecisionOptimizer:
             for d in ddps:
                 d.enable_distributed_optimizer()
         self.buckets = [b for d in ddps for b in d.buckets]
-        for b in self.buckets:
-            if b.grad_data.dtype != torch.float32:
-                raise ValueError(
-                    f"{type(self).__name__} keeps float32 main gradients, but a bucket holds "
-                    f"{b.grad_data.dtype} gradients: wrap the model with "
-                    "DistributedDataParallel(..., grad_reduce_in_fp32=True)")
         self.group = self.ddp.group
         self.world, self.rank = self.ddp.world, self.ddp.group.rank()
         self.grad_scaler = grad_scaler
@@ -129,15 +124,19 @@ class MixedPrecisionOptimizer:
                 for p in g["params"]:
                     options[p] = i
         group_opts = [{k: v for k, v in g.items() if k != "params"} for g in (param_groups or [{}])]
-        # Shard pieces (the engine's layout: DistributedDataParallel.shard_pieces)
-        # and the fp32 main tensor the inner optimizer updates.
-        self._pieces = []
+        # Shard pieces (the engine's layout: DistributedDataParallel.shard_pieces),
+        # the fp32 main tensor the inner optimizer updates and its gradient view
+        # (the engine's: GradReducer.main_params / main_grads / write_back).
+        self._pieces, self._mains_of = [], []  # _mains_of: per chunk, its pieces' mains
         by_group = [[] for _ in group_opts]
         for d in ddps:
-            for b, p, lo, hi, shard_lo, param_lo in d.shard_pieces(self.sharded):
-                main = self._param_values(b, p, param_lo, lo, hi).detach().float().clone()
-                self._pieces.append(_Piece(b, p, lo, hi, shard_lo, param_lo, main))
+            r = d._reducer  # noqa: SLF001 - the engine under the front-end
+            grads = r.main_grads(self.sharded)  # ValueError unless fp32 main gradients
+            for (b, p, lo, hi, shard_lo, param_lo), main, grad in zip(
+                    d.shard_pieces(self.sharded), r.main_params(self.sharded), grads, strict=True):
+                self._pieces.append(_Piece(b, p, lo, hi, shard_lo, param_lo, main, grad))
                 by_group[options.get(p, 0)].append(main)
+            self._mains_of.append([pc.main for pc in self._pieces[len(self._pieces) - len(grads):]])
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self.param_groups = self.optimizer.param_groups
@@ -163,14 +162,6 @@ class MixedPrecisionOptimizer:
         """[lo, hi) of the range of bucket b this rank updates."""
         return b.chunk_range(self.sharded)
 
-    def _param_values(self, b, p, param_lo: int, lo: int, hi: int) -> torch.Tensor:
-        """The values of bucket range [lo, hi) of parameter `p`."""
-        return p.detach().reshape(-1)[param_lo: param_lo + hi - lo]
-
-    def _grad_of(self, pc: _Piece) -> torch.Tensor:
-        """The averaged float32 gradient of a piece: a view into its bucket."""
-        return pc.bucket.grad_data[pc.lo: pc.hi]
-
     def _norm_groups(self) -> list:
         return [self.state_mp.model_group] if self.state_mp else []
 
@@ -179,10 +170,14 @@ class MixedPrecisionOptimizer:
         gradients.global_norm)."""
         return self.state_mp.expert_norm_groups() if self.state_mp else None
 
-    @torch.no_grad()
+    def _write_back_mains(self) -> None:
+        """The updated main values into the parameters (ZeRO-1: into this
+        rank's chunk of each bucket), by the engine."""
+        for d, mains in zip(self.ddps, self._mains_of, strict=True):
+            d._reducer.write_back(mains, self.sharded)  # noqa: SLF001
+
     def _write_back(self) -> None:
-        for pc in self._pieces:
-            pc.param.detach().view(-1)[pc.param_lo: pc.param_lo + pc.hi - pc.lo].copy_(pc.main)
+        self._write_back_mains()
 
     def _bucket_span(self, b) -> int:
         """Elements of bucket b in bucket coordinates (ZeRO-1: with its padding)."""
@@ -222,7 +217,7 @@ class MixedPrecisionOptimizer:
         for d in self.ddps:
             d.finish_grad_sync()  # no-op when backward already finished it
         for pc in self._pieces:
-            pc.main.grad = self._grad_of(pc)
+            pc.main.grad = pc.grad
         grads = [pc.main.grad for pc in self._pieces]
         if self.grad_scaler is not None and not self._unscaled and grads:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)  # noqa: SLF001
@@ -322,14 +317,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(ddp, optimizer_class, param_groups, **kwargs)
         self.overlap_param_gather = overlap_param_gather
 
-    def _param_values(self, b, p, param_lo, lo, hi):
-        return b.param_data[lo:hi]
-
     def _bucket_span(self, b) -> int:
         return b.param_data.numel()
-
-    def _grad_of(self, pc):
-        return pc.bucket.shard[pc.shard_lo: pc.shard_lo + pc.hi - pc.lo]
 
     def _norm_groups(self) -> list:
         # The shards are summed over dp too. Without an expert grid an
@@ -345,8 +334,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _write_back(self) -> None:
         for d in self.ddps:
             d.finish_param_sync()  # (the forward waited for them already)
-        for pc in self._pieces:
-            pc.bucket.param_data[pc.lo: pc.hi].copy_(pc.main)
+        self._write_back_mains()
         for d in self.ddps:
             d.start_param_sync(force_sync=not self.overlap_param_gather)
 
