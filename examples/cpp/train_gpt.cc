@@ -176,6 +176,10 @@ int main(int argc, char** argv) {
       throw mapp::ValueError(
           "train_gpt: context parallelism is not available from C++ yet; use "
           "examples/pretrain_gpt.py");
+    if (a.pipeline_schedule == "zb-v")
+      throw mapp::ValueError(
+          "train_gpt: --pipeline-schedule zb-v is not available from C++ yet (the V placement "
+          "of its layers and tied embeddings); use examples/pretrain_gpt.py");
     const int v = a.vpp > 0 ? a.vpp : 1;
     if (a.vpp > 1 && a.pp == 1)
       throw mapp::ValueError(

@@ -437,4 +437,26 @@ Schedule dynamic(int p, int m, int v, Policy policy, std::optional<int> memory_l
   return out;
 }
 
+const char* schedule_names() { return "gpipe, 1f1b, interleaved, zero-bubble, zb-v, dynamic"; }
+
+Schedule by_name(const std::string& name, int p, int m, int v, const std::string& policy,
+                 std::optional<int> memory_limit, const std::optional<Costs>& costs) {
+  if ((name == "interleaved" || name == "1f1b") && v > 1) return interleaved(p, m, v);
+  if (name == "zb-v") {
+    MAPP_CHECK(v == 2, "schedule 'zb-v' runs two model chunks per stage (the V), not ", v,
+               ": leave virtual_pipeline_model_parallel_size unset or set it to 2");
+    return zb_v(p, m, costs);
+  }
+  if (name == "dynamic") return dynamic(p, m, v, parse_policy(policy), memory_limit, costs);
+  const bool known = name == "gpipe" || name == "1f1b" || name == "interleaved" ||
+                     name == "zero-bubble";
+  MAPP_CHECK(known, "unknown pipeline schedule '", name, "' (expected one of ", schedule_names(),
+             ")");
+  MAPP_CHECK(v == 1, "schedule '", name, "' runs one model chunk per stage; with "
+             "virtual_pipeline_model_parallel_size=", v, " use 'interleaved' or 'dynamic'");
+  if (name == "gpipe") return gpipe(p, m);
+  if (name == "zero-bubble") return zero_bubble(p, m);
+  return one_f_one_b(p, m);
+}
+
 }  // namespace mapp::pipeline

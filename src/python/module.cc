@@ -326,6 +326,9 @@ void register_pipeline(py::module_& parent) {
       .def_readonly("backward_input", &pl::Costs::backward_input)
       .def_readonly("backward_weight", &pl::Costs::backward_weight)
       .def_readonly("p2p", &pl::Costs::p2p);
+  m.def("by_name", &pl::by_name, py::arg("name"), py::arg("p"), py::arg("m"), py::arg("v") = 1,
+        py::arg("policy") = "auto", py::arg("memory_limit") = std::nullopt,
+        py::arg("costs") = std::nullopt);
   m.def("zb_v", &pl::zb_v, py::arg("p"), py::arg("m"), py::arg("costs") = std::nullopt);
   m.def("dynamic", [](int p, int mb, int v, const std::string& policy,
                       std::optional<int> memory_limit, std::optional<pl::Costs> costs) {
@@ -430,6 +433,26 @@ void register_pipeline(py::module_& parent) {
            py::arg("tp_rank"), py::arg("tp_size"))
       .def_readonly("stage", &mapp::PipelineGroups::stage)
       .def_readonly("stage_ranks", &mapp::PipelineGroups::stage_ranks);
+  py::class_<mapp::AdaptiveSchedule>(m, "AdaptiveSchedule")
+      .def(py::init<int, int, int, int, int, mapp::PipelineGroups, std::string>(), py::arg("p"),
+           py::arg("m"), py::arg("v"), py::arg("memory_limit"), py::arg("interval"),
+           py::arg("groups"), py::arg("world_group"))
+      // copies: a re-plan replaces the engine's schedule, not the caller's
+      .def_property_readonly("schedule",
+                             [](const mapp::AdaptiveSchedule& a) { return a.schedule(); })
+      .def_property_readonly("replans", &mapp::AdaptiveSchedule::replans)
+      .def_property_readonly("costs", [](const mapp::AdaptiveSchedule& a) { return a.costs(); })
+      .def("observe", [](mapp::AdaptiveSchedule& a, std::map<std::string, double> compute_time,
+                         std::vector<std::int64_t> tensor_shape, at::ScalarType dtype,
+                         c10::Device device) {
+        mapp::PipelineResult r;
+        r.compute_time = std::move(compute_time);
+        r.tensor_shape = std::move(tensor_shape);
+        r.dtype = dtype;
+        r.device = device;
+        return a.observe(r);
+      }, py::arg("compute_time"), py::arg("tensor_shape"), py::arg("dtype"), py::arg("device"),
+         py::call_guard<py::gil_scoped_release>());
   m.def("injected_link_delay", [] {
     const auto d = mapp::faults::injected_link_delay();
     return d ? py::object(py::dict(py::arg("rank") = d->rank, py::arg("peer") = d->peer,

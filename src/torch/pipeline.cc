@@ -452,6 +452,9 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
       actions.push_back(a);
 
   PipelineResult result;
+  result.tensor_shape = options.tensor_shape;
+  result.dtype = options.dtype;
+  result.device = options.device;
   const auto t_step = std::chrono::steady_clock::now();
   P2P p2p(groups, schedule, options, result);
   const std::set<std::size_t> final =
@@ -607,37 +610,36 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
 
 pipeline::Schedule make_schedule(const std::string& name, int p, int m, int v,
                                  const std::string& policy, int memory_limit) {
-  static const char* kNames = "gpipe, 1f1b, interleaved, zero-bubble, dynamic";
-  const bool known = name == "gpipe" || name == "1f1b" || name == "interleaved" ||
-                     name == "zero-bubble" || name == "dynamic";
-  MAPP_CHECK(known, "unknown pipeline schedule '", name, "' (expected one of ", kNames, ")");
-  if (p == 1) return pipeline::one_f_one_b(1, m);
-  if (name == "dynamic") {
-    std::optional<int> limit;
-    if (memory_limit >= 0) limit = memory_limit;
-    return pipeline::dynamic(p, m, v, pipeline::parse_policy(policy), limit);
+  if (p == 1) {  // the name must still be one the flags accept
+    const std::string known = std::string(", ") + pipeline::schedule_names() + ",";
+    MAPP_CHECK(known.find(", " + name + ",") != std::string::npos, "unknown pipeline schedule '",
+               name, "' (expected one of ", pipeline::schedule_names(), ")");
+    return pipeline::one_f_one_b(1, m);
   }
-  if ((name == "interleaved" || name == "1f1b") && v > 1) return pipeline::interleaved(p, m, v);
-  MAPP_CHECK(v == 1, "schedule '", name,
-             "' runs one model chunk per stage; with "
-             "virtual_pipeline_model_parallel_size=",
-             v, " use 'interleaved' or 'dynamic'");
-  if (name == "gpipe") return pipeline::gpipe(p, m);
-  if (name == "zero-bubble") return pipeline::zero_bubble(p, m);
-  return pipeline::one_f_one_b(p, m);
+  std::optional<int> limit;
+  if (memory_limit >= 0) limit = memory_limit;
+  return pipeline::by_name(name, p, m, v, policy, limit);
 }
 
 AdaptiveSchedule::AdaptiveSchedule(int p, int m, int v, int memory_limit, int interval,
                                    const dist::ParallelState& state)
+    : AdaptiveSchedule(p, m, v, memory_limit, interval, PipelineGroups::of(state),
+                       state.world_group()) {}
+
+AdaptiveSchedule::AdaptiveSchedule(int p, int m, int v, int memory_limit, int interval,
+                                   PipelineGroups groups, std::string world_group)
     : p_(p),
       m_(m),
       v_(v),
       memory_limit_(memory_limit),
       interval_(interval),
-      state_(state),
+      groups_(std::move(groups)),
+      world_(std::move(world_group)),
       schedule_(make_schedule("dynamic", p, m, v, "adaptive", memory_limit)),
-      sums_(static_cast<std::size_t>(4 * p), 0.0) {
+      sums_(static_cast<std::size_t>(6 * p), 0.0) {
   MAPP_CHECK(interval >= 1, "AdaptiveSchedule: interval must be >= 1, got ", interval);
+  MAPP_CHECK(static_cast<int>(groups_.stage_ranks.size()) == p, "AdaptiveSchedule: ", p,
+             " stages but the pipeline-parallel size is ", groups_.stage_ranks.size());
 }
 
 bool AdaptiveSchedule::observe(const PipelineResult& result) {
@@ -648,21 +650,26 @@ bool AdaptiveSchedule::observe(const PipelineResult& result) {
   };
   double bi = get("BI"), bw = get("W");
   if (t.count("B")) bi = bw = get("B") / 2;  // a full backward: split evenly for the model
-  double* row = &sums_[static_cast<std::size_t>(4 * state_.pp_rank())];
+  double* row = &sums_[static_cast<std::size_t>(4 * groups_.stage)];
   row[0] += get("F");
   row[1] += bi;
   row[2] += bw;
   row[3] += 1;
   if (++steps_ < interval_ || p_ == 1) return false;
-  // Every rank adds its stage's row; tp x dp replicas of a stage average out.
+  if (!result.tensor_shape.empty()) probe_links(result);
+  // Every rank adds its stage's row and the links it timed; tp x dp replicas
+  // of a stage average out.
   at::Tensor all = at::tensor(sums_, at::kDouble);
-  torch_ext::all_reduce_sum_(all, state_.world_group());
+  if (!world_.empty() && torch_ext::group_size(world_) > 1)
+    torch_ext::all_reduce_sum_(all, world_);
   pipeline::Costs costs = pipeline::Costs::uniform(p_);
   for (int s = 0; s < p_; ++s) {
     const double n = std::max(1.0, all[4 * s + 3].item<double>());
     costs.forward[s] = all[4 * s].item<double>() / n;
     costs.backward_input[s] = all[4 * s + 1].item<double>() / n;
     costs.backward_weight[s] = all[4 * s + 2].item<double>() / n;
+    costs.p2p[s] = all[4 * p_ + 2 * s].item<double>() /
+                   std::max(1.0, all[4 * p_ + 2 * s + 1].item<double>());
   }
   std::optional<int> limit;
   if (memory_limit_ >= 0) limit = memory_limit_;
@@ -670,10 +677,54 @@ bool AdaptiveSchedule::observe(const PipelineResult& result) {
       pipeline::dynamic(p_, m_, v_, pipeline::Policy::kAdaptive, limit, costs);
   const bool changed = next.actions != schedule_.actions;
   schedule_ = std::move(next);
+  costs_ = std::move(costs);
   ++replans_;
   std::fill(sums_.begin(), sums_.end(), 0.0);
   steps_ = 0;
   return changed;
+}
+
+// Median one-way time of one activation over each link this rank touches
+// (links in increasing order on every rank: no deadlock); the lower stage of
+// a link counts it.
+void AdaptiveSchedule::probe_links(const PipelineResult& result) {
+  constexpr int kRounds = 3;
+  const int stage = groups_.stage;
+  auto pg = torch_ext::internal::resolve(groups_.pipeline);
+  std::vector<at::Tensor> buf{at::zeros(
+      result.tensor_shape, at::TensorOptions().dtype(result.dtype).device(result.device))};
+  auto wait = [&](c10::intrusive_ptr<c10d::Work> w, int peer) {
+    try {
+      w->wait(torch_ext::internal::collective_timeout());
+    } catch (const std::exception& e) {
+      MAPP_FAIL_BACKEND("AdaptiveSchedule: the link probe with stage ", peer, " on group '",
+                        groups_.pipeline, "' failed (stage ", stage, "): ", e.what());
+    }
+  };
+  const int links = v_ > 1 ? p_ : p_ - 1;
+  for (int link = 0; link < links; ++link) {
+    const int a = link, b = (link + 1) % p_;
+    if ((stage != a && stage != b) || a == b) continue;
+    const int peer = stage == a ? b : a;
+    std::vector<double> times;
+    for (int r = 0; r < kRounds; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (stage == a) {
+        wait(pg->send(buf, peer, 0), peer);
+        wait(pg->recv(buf, peer, 0), peer);
+      } else {
+        wait(pg->recv(buf, peer, 0), peer);
+        wait(pg->send(buf, peer, 0), peer);
+      }
+      times.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 2);
+    }
+    if (stage == a) {  // count each link once
+      std::sort(times.begin(), times.end());
+      sums_[static_cast<std::size_t>(4 * p_ + 2 * link)] += times[kRounds / 2];
+      sums_[static_cast<std::size_t>(4 * p_ + 2 * link + 1)] += 1;
+    }
+  }
 }
 
 }  // namespace mapp

@@ -215,6 +215,10 @@ ONE_ENGINE = {
         ("wait_recv", "post_recv", "final_backwards", "DelayedSend", "local_out[",
          "peak_activations = max("),
     ),
+    "adaptive re-planning (measured stage times, link probes, one all-reduce)": (
+        "src/torch/pipeline.cc",
+        ("_probe_links", "self._stage[stage] +=", "Policy::kAdaptive, limit, costs"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

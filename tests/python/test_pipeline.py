@@ -312,3 +312,51 @@ def test_engine_releases_the_gil_while_it_waits():
     ticks, wall = run_ranks(_gil_released, 2)[1]
     assert wall > 1.0, wall  # stage 1 waited for two slow forwards
     assert ticks > 0.5 * wall / 0.01 * 0.5, (ticks, wall)  # the heartbeat thread kept beating
+
+
+def _adaptive(rank, world):
+    """AdaptiveSchedule (the engine's mapp::AdaptiveSchedule) at PP2 with a slow
+    second stage: one re-plan after `interval` steps from measured F/B times
+    and a probed link, the same plan on both ranks, and the plan is the
+    dynamic planner's under the reported costs."""
+    import time
+
+    import megatronapp as mapp
+    from megatronapp import pipeline
+
+    st = mapp.initialize_model_parallel(1, 2)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            if st.pp_rank == 1:
+                t = time.monotonic() + 0.01
+                while time.monotonic() < t:
+                    pass
+            return self.lin(x)
+
+    sched = pipeline.AdaptiveSchedule(2, 4, interval=2)
+    first = sched.schedule.to_csv()
+    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(4)]
+    for _ in range(2):
+        res = pipeline.forward_backward(sched.schedule, Chunk(), iter(data),
+                                        lambda o, y: (o - y).pow(2).mean(), tensor_shape=(2, 8))
+        sched.observe(res)
+    c = sched.costs
+    again = pipeline.Schedule.dynamic(2, 4, 1, "adaptive", None, c).to_csv()
+    return (first, sched.replans, list(c.forward), list(c.p2p), sched.schedule.to_csv(), again)
+
+
+def test_adaptive_schedule_replans_from_measured_times_alike_on_every_rank():
+    a, b = run_ranks(_adaptive, 2)
+    assert a[1] == b[1] == 1
+    assert a[2] == b[2] and a[3] == b[3]  # one all-reduce: the same numbers everywhere
+    f0, f1 = a[2]
+    assert f1 > f0 + 0.005, a[2]  # stage 1's 10 ms forwards were measured
+    assert a[3][0] > 0, a[3]  # the link 0 <-> 1 was probed
+    assert a[4] == b[4] == a[5]  # the planner's plan under those costs, on both ranks

@@ -128,6 +128,16 @@ const char* policy_name(Policy p);
 Schedule dynamic(int p, int m, int v, Policy policy, std::optional<int> memory_limit = {},
                  const std::optional<Costs>& costs = {});
 
+// A schedule by its --pipeline-schedule name (megatronapp's Schedule.by_name
+// and mapp::make_schedule): gpipe, 1f1b (v > 1: interleaved), interleaved,
+// zero-bubble, zb-v (v = 2), dynamic (`policy`, `memory_limit`, `costs`).
+// ValueError for an unknown name or a chunk count the schedule cannot run.
+Schedule by_name(const std::string& name, int p, int m, int v = 1,
+                 const std::string& policy = "auto", std::optional<int> memory_limit = {},
+                 const std::optional<Costs>& costs = {});
+// The names by_name knows, comma-separated.
+const char* schedule_names();
+
 // Inserts sends and receives into a compute-only schedule (no-op for p == 1).
 void add_communication(Schedule& s);
 

@@ -110,6 +110,10 @@ struct PipelineResult {
   std::int64_t sent_bytes = 0;                 // to pipeline peers
   double step_seconds = 0;
   bool shared_memory = false;  // transfers went through the shared-memory transport
+  // The options' tensors between stages (AdaptiveSchedule probes its links with one).
+  std::vector<std::int64_t> tensor_shape;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
 };
 
 // Runs one step of `schedule` (stages = the pipeline size, chunks =
@@ -130,33 +134,51 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
                                 const std::function<at::Tensor(const at::Tensor&, int)>& loss_fn,
                                 const dist::ParallelState& state, const PipelineOptions& options);
 
-// --pipeline-schedule NAME as pretrain_gpt.py reads it: gpipe, 1f1b (with
-// v > 1 interleaved), interleaved, zero-bubble, dynamic (`policy`: dfc, bfc,
-// auto, adaptive; `memory_limit` < 0: the planner's default). One stage is
-// always the one-stage 1F1B. ValueError for combinations that cannot run.
+// --pipeline-schedule NAME as pretrain_gpt.py reads it (pipeline::by_name:
+// gpipe, 1f1b (with v > 1 interleaved), interleaved, zero-bubble, zb-v,
+// dynamic with `policy` dfc, bfc, auto, adaptive; `memory_limit` < 0: the
+// planner's default). One stage is always the one-stage 1F1B. ValueError for
+// combinations that cannot run.
 pipeline::Schedule make_schedule(const std::string& name, int p, int m, int v = 1,
                                  const std::string& policy = "adaptive", int memory_limit = -1);
 
-// The dynamic planner fed with measured times (megatronapp.pipeline.
-// AdaptiveSchedule): every rank records its stage's mean F / BI / W times;
-// every `interval` steps one all-reduce over the world averages them and
-// every rank re-plans dynamic(policy adaptive, costs) — the same
-// deterministic computation on the same numbers, so all get the same plan.
+// The dynamic planner fed with measured times, the one implementation under
+// megatronapp.pipeline.AdaptiveSchedule and C++ trainers: every rank records
+// its stage's mean F / BI / W times (a full B split evenly between BI and W);
+// every `interval` steps each link s <-> s+1 is timed by a short ping-pong of
+// one activation between its two stages (median of 3; send completion cannot
+// be observed reliably on every backend while a step runs), then one
+// all-reduce over the world averages stage and link times and every rank
+// re-plans dynamic(policy adaptive, costs) — the same deterministic
+// computation on the same numbers, so every rank (and every data-parallel
+// replica) gets the same plan.
 class AdaptiveSchedule {
  public:
+  // `memory_limit` < 0: the planner's default.
   AdaptiveSchedule(int p, int m, int v, int memory_limit, int interval,
                    const dist::ParallelState& state);
+  // Without a dist::ParallelState (Python): the pipeline's groups and the
+  // c10d group every rank joins for the all-reduce (the world; "" when the
+  // process runs alone).
+  AdaptiveSchedule(int p, int m, int v, int memory_limit, int interval, PipelineGroups groups,
+                   std::string world_group);
   const pipeline::Schedule& schedule() const { return schedule_; }
   // Records one step; every `interval` calls re-plans (a collective over the
   // world: call it on every rank). Returns whether the schedule changed.
   bool observe(const PipelineResult& result);
   int replans() const { return replans_; }
+  // The measured costs of the last re-plan (none before the first).
+  const std::optional<pipeline::Costs>& costs() const { return costs_; }
 
  private:
+  void probe_links(const PipelineResult& result);
+
   int p_, m_, v_, memory_limit_, interval_;
-  const dist::ParallelState& state_;
+  PipelineGroups groups_;
+  std::string world_;
   pipeline::Schedule schedule_;
-  std::vector<double> sums_;  // per stage: F, BI, W, samples
+  std::vector<double> sums_;  // per stage: F, BI, W, samples; then per link: seconds, samples
+  std::optional<pipeline::Costs> costs_;
   int steps_ = 0, replans_ = 0;
 };
 

@@ -139,6 +139,15 @@ class _NoSyncSwitch:
             self.ctx.__enter__()
 
 
+def pipeline_groups(state: ParallelState):
+    """The engine's view of where this rank sits in the pipeline
+    (``_C.pipeline.PipelineGroups``)."""
+    return _C.pipeline.PipelineGroups(
+        state.pipeline_group.group_name if state.pp_size > 1 else "", state.pp_rank,
+        list(state.group_ranks["pp"]),
+        state.tensor_group.group_name if state.tp_size > 1 else "", state.tp_rank, state.tp_size)
+
+
 def _forward(chunk, batch: _Batches, loss_fn, last: bool):
     """The engine's view of one chunk: (input, microbatch) -> output, or the
     loss on the last virtual stage; input None = this microbatch's first-stage
@@ -195,9 +204,7 @@ def forward_backward(schedule: Schedule, model_chunks, data_iterator, loss_fn, *
                 for c in chunks]
     others = [c if r is None and isinstance(c, GradSync) and not forward_only else None
               for c, r in zip(chunks, reducers, strict=True)]
-    groups = _C.pipeline.PipelineGroups(
-        state.pipeline_group.group_name if p > 1 else "", stage, list(state.group_ranks["pp"]),
-        state.tensor_group.group_name if state.tp_size > 1 else "", state.tp_rank, state.tp_size)
+    groups = pipeline_groups(state)
     with contextlib.ExitStack() as scope:
         for c in others:
             if c is not None:

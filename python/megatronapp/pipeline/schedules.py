@@ -75,31 +75,13 @@ class Schedule:
         return cls(_pl.dynamic(p, m, v, policy, memory_limit, costs))
 
     @classmethod
-    def by_name(cls, name: str, p: int, m: int, v: int = 1, **kw) -> Schedule:
-        """``gpipe``, ``1f1b``, ``interleaved``, ``zero-bubble`` or ``dynamic``
-        (the names of ``pretrain_gpt.py --pipeline-schedule``), or ``zb-v``
-        (v = 2)."""
-        if name in ("interleaved", "1f1b") and v > 1:
-            return cls.interleaved(p, m, v)
-        if name == "zb-v":
-            if v != 2:
-                raise ValueError(f"schedule 'zb-v' runs two model chunks per stage (the V), "
-                                 f"not {v}: leave virtual_pipeline_model_parallel_size unset or "
-                                 "set it to 2")
-            return cls.zb_v(p, m)
-        if v > 1 and name not in ("dynamic",):
-            raise ValueError(
-                f"schedule '{name}' runs one model chunk per stage; with "
-                f"virtual_pipeline_model_parallel_size={v} use 'interleaved' or 'dynamic'")
-        if name == "gpipe":
-            return cls.gpipe(p, m)
-        if name == "1f1b":
-            return cls.one_f_one_b(p, m)
-        if name == "zero-bubble":
-            return cls.zero_bubble(p, m)
-        if name == "dynamic":
-            return cls.dynamic(p, m, v, **kw)
-        raise ValueError(f"unknown pipeline schedule '{name}' (expected one of {', '.join(SCHEDULES)})")
+    def by_name(cls, name: str, p: int, m: int, v: int = 1, *, policy: str = "auto",
+                memory_limit: int | None = None, costs: _pl.Costs | None = None) -> Schedule:
+        """``gpipe``, ``1f1b``, ``interleaved``, ``zero-bubble``, ``zb-v`` (v = 2)
+        or ``dynamic`` (the names of ``pretrain_gpt.py --pipeline-schedule``;
+        ``1f1b`` with v > 1 is interleaved); `policy`, `memory_limit` and
+        `costs` plan ``dynamic`` (`costs` also ``zb-v``)."""
+        return cls(_pl.by_name(name, p, m, v, policy, memory_limit, costs))
 
     @classmethod
     def from_actions(cls, actions: Sequence[Sequence[tuple | Action]], microbatches: int,
