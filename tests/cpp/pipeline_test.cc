@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 
 #include "mapp/common/check.h"
 #include "mapp/pipeline/schedule.h"
@@ -378,4 +379,31 @@ TEST(PipelineZBV, RoundTripsAndRejectsTransfersInsideAStage) {
   EXPECT_NE(pl::validate(early).find("comes from this stage's own chunk"), std::string::npos)
       << pl::validate(early);
   EXPECT_THROW(pl::parse_placement("zigzag"), mapp::ValueError);
+}
+
+// --pipeline-schedule names: what each resolves to, and the clear errors.
+TEST(PipelineSchedule, ByNameResolvesTheFlagNames) {
+  EXPECT_EQ(pl::by_name("gpipe", 2, 4).actions, pl::gpipe(2, 4).actions);
+  EXPECT_EQ(pl::by_name("1f1b", 2, 4).actions, pl::one_f_one_b(2, 4).actions);
+  EXPECT_EQ(pl::by_name("1f1b", 2, 4, 2).actions, pl::interleaved(2, 4, 2).actions);
+  EXPECT_EQ(pl::by_name("zero-bubble", 2, 4).actions, pl::zero_bubble(2, 4).actions);
+  EXPECT_EQ(pl::by_name("zb-v", 2, 4, 2).actions, pl::zb_v(2, 4).actions);
+  EXPECT_EQ(pl::by_name("dynamic", 2, 4, 1, "dfc").actions,
+            pl::dynamic(2, 4, 1, pl::Policy::kDepthFirst).actions);
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const mapp::ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { pl::by_name("2f2b", 2, 4); }).find("unknown pipeline schedule '2f2b'"),
+            std::string::npos);
+  EXPECT_NE(message([] { pl::by_name("zb-v", 2, 4, 1); }).find("two model chunks"),
+            std::string::npos);
+  EXPECT_NE(message([] { pl::by_name("gpipe", 2, 4, 2); }).find("one model chunk per stage"),
+            std::string::npos);
+  EXPECT_NE(message([] { pl::by_name("dynamic", 2, 4, 1, "fastest"); }).find("policy"),
+            std::string::npos);
 }
