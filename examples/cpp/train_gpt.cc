@@ -38,6 +38,7 @@
 #include "mapp/codec/codec.h"
 #include "mapp/common/check.h"
 #include "mapp/torch/checkpoint.h"
+#include "mapp/torch/checkpoint_engine.h"
 #include "mapp/torch/ddp.h"
 #include "mapp/torch/dist.h"
 #include "mapp/torch/faults.h"
@@ -69,6 +70,7 @@ struct Args {
   std::string recompute_granularity, recompute_method;
   int recompute_num_layers = 0;
   int save_interval = 0;
+  bool async_save = false;
 };
 
 // Linear warm-up to lr, then cosine decay to min_lr (training/step.py: lr_at).
@@ -166,6 +168,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gloo", "nccl"}));
   app.add_option("--save", a.save, "checkpoint directory to save to");
   app.add_option("--save-interval", a.save_interval, "save every N iterations (and at the end)");
+  app.add_flag("--async-save", a.async_save,
+               "write and commit checkpoints on a background thread (training goes on once the "
+               "state is copied to host memory)");
   app.add_option("--load", a.load,
                  "resume from this checkpoint directory (its latest) or iter_* path");
   app.add_option("--loss-csv", a.loss_csv,
@@ -297,7 +302,8 @@ int main(int argc, char** argv) {
           .config_json = config_json,
           .extra_json = "{\"consumed_samples\": " +
                         std::to_string(static_cast<std::int64_t>(iteration) * a.global_batch_size) +
-                        ", \"seed\": " + std::to_string(a.seed) + "}"};
+                        ", \"seed\": " + std::to_string(a.seed) + "}",
+          .async_save = a.async_save};
     };
     int start = 0;
     if (!a.load.empty()) {
@@ -400,6 +406,7 @@ int main(int argc, char** argv) {
     }
     if (!a.save.empty() && saved_at != a.train_iters && start < a.train_iters)
       mapp::save_checkpoint(a.save, a.train_iters, ckpt_chunks, st, ckpt_options(a.train_iters));
+    mapp::wait_pending_save();  // an --async-save in flight is committed before exit
     std::fflush(stdout);
     mapp::trace::uninstall();  // flushes and closes the trace file
     mapp::dist::destroy(st);

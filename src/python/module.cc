@@ -628,6 +628,51 @@ void register_checkpoint(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_commit", &mapp::commit_checkpoint, py::arg("directory"), py::arg("name"),
         py::arg("meta_json"), py::arg("world"), py::call_guard<py::gil_scoped_release>());
+  // A rank's save as one job (checkpoint_engine.h): written, the ranks
+  // meeting through the store, rank 0 committing; inline or on a thread.
+  auto job_of = [](std::string directory, std::string name, int rank, int world,
+                   std::vector<std::pair<std::string, at::Tensor>> tensors,
+                   std::string pieces_json, std::string ddp_json,
+                   std::vector<std::pair<std::string, std::string>> metadata,
+                   std::string meta_json) {
+    return mapp::SaveJob{std::move(directory), std::move(name),        rank,
+                         world,                std::move(tensors),     std::move(pieces_json),
+                         std::move(ddp_json),  std::move(metadata),    std::move(meta_json)};
+  };
+  py::class_<mapp::AsyncCheckpointSave, std::shared_ptr<mapp::AsyncCheckpointSave>>(
+      m, "AsyncCheckpointSave")
+      .def("wait", &mapp::AsyncCheckpointSave::wait, py::call_guard<py::gil_scoped_release>())
+      .def("done", &mapp::AsyncCheckpointSave::done);
+  m.def("checkpoint_save", [job_of](std::string directory, std::string name, int rank, int world,
+                                    std::vector<std::pair<std::string, at::Tensor>> tensors,
+                                    std::string pieces_json, std::string ddp_json,
+                                    std::vector<std::pair<std::string, std::string>> metadata,
+                                    std::string meta_json,
+                                    const c10::intrusive_ptr<c10d::Store>& store,
+                                    const std::string& prefix, bool async_save) -> py::object {
+    mapp::SaveJob job = job_of(std::move(directory), std::move(name), rank, world,
+                               std::move(tensors), std::move(pieces_json), std::move(ddp_json),
+                               std::move(metadata), std::move(meta_json));
+    if (async_save) {
+      std::shared_ptr<mapp::AsyncCheckpointSave> save;
+      {
+        py::gil_scoped_release nogil;
+        save = std::make_shared<mapp::AsyncCheckpointSave>(std::move(job), store, prefix);
+        mapp::set_pending_save(save);
+      }
+      return py::cast(save);
+    }
+    std::string path;
+    {
+      py::gil_scoped_release nogil;
+      path = mapp::run_save_job(std::move(job), store, prefix);
+    }
+    return py::str(path);
+  }, py::arg("directory"), py::arg("name"), py::arg("rank"), py::arg("world"), py::arg("tensors"),
+     py::arg("pieces_json"), py::arg("ddp_json"), py::arg("metadata"), py::arg("meta_json"),
+     py::arg("store"), py::arg("prefix"), py::arg("async_save"));
+  m.def("checkpoint_wait_pending", &mapp::wait_pending_save,
+        py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_latest", &mapp::latest_checkpoint, py::arg("directory"));
   m.def("checkpoint_read_metadata", &mapp::read_checkpoint_metadata, py::arg("directory_or_path"));
   py::class_<mapp::TensorFile>(m, "CheckpointTensorFile")

@@ -128,6 +128,7 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
                             const dist::ParallelState& st, const CheckpointOptions& options) {
   MAPP_CHECK(!(options.adamw && options.distributed),
              "save_checkpoint: pass either a plain AdamW or a DistributedOptimizer, not both");
+  wait_pending_save();  // one save at a time
   const std::string name = checkpoint_name(iteration);
   const int rank = st.rank();
   if (rank == 0) begin_checkpoint(dir, name);
@@ -199,28 +200,36 @@ std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
     for (const auto& [key, t] : ddp->codec_state())
       tensors.emplace_back("rank/ddp" + std::to_string(ci) + "/" + key, t);
   }
-  write_rank_files(dir, name, rank, tensors, index.dump(), ddp_meta.dump(),
-                   {{"rank", std::to_string(rank)}, {"iteration", std::to_string(iteration)}});
-  barrier(st);
-  std::string final_path;
-  if (rank == 0) {
-    const json meta = {{"format", kCheckpointFormat},
-                       {"iteration", iteration},
-                       {"config", json::parse(options.config_json)},
-                       {"extra", json::parse(options.extra_json)},
-                       {"parallel",
-                        {{"world", st.world_size()},
-                         {"tp", st.tp_size()},
-                         {"pp", st.pp_size()},
-                         {"dp", st.dp_size()},
-                         {"ep", 1},
-                         {"cp", st.cp_size()},
-                         {"vpp", chunks.size()}}}};
-    final_path = commit_checkpoint(dir, name, meta.dump(), st.world_size());
-    log(LogLevel::kInfo, "saved checkpoint " + final_path);
+  const json meta = {{"format", kCheckpointFormat},
+                     {"iteration", iteration},
+                     {"config", json::parse(options.config_json)},
+                     {"extra", json::parse(options.extra_json)},
+                     {"parallel",
+                      {{"world", st.world_size()},
+                       {"tp", st.tp_size()},
+                       {"pp", st.pp_size()},
+                       {"dp", st.dp_size()},
+                       {"ep", 1},
+                       {"cp", st.cp_size()},
+                       {"vpp", chunks.size()}}}};
+  SaveJob job{dir,
+              name,
+              rank,
+              st.world_size(),
+              std::move(tensors),
+              index.dump(),
+              ddp_meta.dump(),
+              {{"rank", std::to_string(rank)}, {"iteration", std::to_string(iteration)}},
+              meta.dump()};
+  static std::int64_t saves = 0;  // the same count on every rank: every rank saves alike
+  const std::string prefix = "mapp_ckpt_cpp/" + std::to_string(++saves) + "/";
+  if (options.async_save) {  // the blocking part: a host copy of everything
+    for (auto& [key, t] : job.tensors) t = t.detach().to(at::kCPU, /*non_blocking=*/false, true);
+    set_pending_save(
+        std::make_shared<AsyncCheckpointSave>(std::move(job), rendezvous_store(), prefix));
+    return "";
   }
-  barrier(st);
-  return rank == 0 ? final_path : latest_checkpoint(dir).value_or("");
+  return run_save_job(std::move(job), rendezvous_store(), prefix);
 }
 
 // ---- load -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <regex>
 
 #include "mapp/common/check.h"
+#include "mapp/common/log.h"
 
 namespace mapp {
 namespace {
@@ -811,6 +813,104 @@ void CheckpointLoader::copy_box(const TensorFile& f, std::int64_t box_off, at::S
   at::Tensor buf = at::empty({span}, at::TensorOptions().dtype(dtype));
   f.read(buf.data_ptr(), span * item, box_off + first * item);
   dview.copy_(buf.as_strided(size, strides));
+}
+
+// ---- a rank's save as one job ------------------------------------------------------------
+
+std::string run_save_job(SaveJob job, const c10::intrusive_ptr<c10d::Store>& store,
+                         const std::string& prefix) {
+  MAPP_CHECK(store, "run_save_job: no rendezvous store (initialize the process groups first)");
+  const auto t0 = std::chrono::steady_clock::now();
+  write_rank_files(job.dir, job.name, job.rank, job.tensors, job.pieces_json, job.ddp_json,
+                   job.metadata);
+  job.tensors.clear();  // the host copies go as soon as they are on disk
+  auto keys = [&](const char* what) {
+    std::vector<std::string> out;
+    for (int r = 0; r < job.world; ++r) out.push_back(prefix + what + "/" + std::to_string(r));
+    return out;
+  };
+  auto arrive = [&](const char* what) {
+    store->set(prefix + what + "/" + std::to_string(job.rank), std::vector<std::uint8_t>{'1'});
+  };
+  std::string final_path;
+  try {
+    arrive("written");
+    if (job.rank == 0) {
+      store->wait(keys("written"));
+      final_path = commit_checkpoint(job.dir, job.name, job.meta_json, job.world);
+      store->set(prefix + "path", std::vector<std::uint8_t>(final_path.begin(), final_path.end()));
+      log(LogLevel::kInfo,
+          "saved checkpoint " + final_path + " (" +
+              std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                                 .count()) +
+              " s to write and commit)");
+    }
+    arrive("committed");
+    store->wait(keys("committed"));
+    if (job.rank != 0) {
+      const std::vector<std::uint8_t> p = store->get(prefix + "path");
+      final_path.assign(p.begin(), p.end());
+    }
+  } catch (const c10::Error& e) {  // the store's (DistStoreError: a timeout, a lost server)
+    MAPP_FAIL_BACKEND("checkpoint ", job.name, ": rank ", job.rank, " could not meet the other ",
+                      job.world - 1, " ranks through the store (", e.what_without_backtrace(),
+                      "); did a rank fail while writing?");
+  }
+  return final_path;
+}
+
+AsyncCheckpointSave::AsyncCheckpointSave(SaveJob job, c10::intrusive_ptr<c10d::Store> store,
+                                         std::string prefix)
+    : thread_([this, job = std::move(job), store = std::move(store),
+               prefix = std::move(prefix)]() mutable {
+        try {
+          path_ = run_save_job(std::move(job), store, prefix);
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+        done_.store(true);
+      }) {}
+
+AsyncCheckpointSave::~AsyncCheckpointSave() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::string AsyncCheckpointSave::wait() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) std::rethrow_exception(error_);
+  return path_;
+}
+
+namespace {
+std::mutex pending_mu;
+std::shared_ptr<AsyncCheckpointSave> pending;
+c10::intrusive_ptr<c10d::Store> joined_store;
+}  // namespace
+
+void set_pending_save(std::shared_ptr<AsyncCheckpointSave> save) {
+  wait_pending_save();
+  std::lock_guard<std::mutex> lock(pending_mu);
+  pending = std::move(save);
+}
+
+std::string wait_pending_save() {
+  std::shared_ptr<AsyncCheckpointSave> p;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu);
+    p = std::move(pending);
+    pending.reset();
+  }
+  return p ? p->wait() : std::string();
+}
+
+c10::intrusive_ptr<c10d::Store> rendezvous_store() {
+  std::lock_guard<std::mutex> lock(pending_mu);
+  return joined_store;
+}
+
+void set_rendezvous_store(c10::intrusive_ptr<c10d::Store> store) {
+  std::lock_guard<std::mutex> lock(pending_mu);
+  joined_store = std::move(store);
 }
 
 }  // namespace mapp

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "mapp/common/check.h"
+#include "mapp/torch/checkpoint_engine.h"
 #include "mapp/torch/ops.h"
 #include "c10d_util.h"
 
@@ -265,6 +266,7 @@ ParallelState init(const LaunchEnv& env, const InitOptions& options) {
                       " of ", env.world_size, ") failed: ", e.what(),
                       " (is rank 0 running, and MASTER_ADDR/MASTER_PORT the same on every rank?)");
   }
+  set_rendezvous_store(store);  // checkpoint commits meet here (checkpoint_engine.h)
   const int r = env.rank;
   const bool shared = options.shared_memory && get("MAPP_SHM_COLLECTIVES").value_or("1") != "0";
   auto make = [&](const std::string& kind, const std::vector<std::vector<int>>& groups) {

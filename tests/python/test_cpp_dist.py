@@ -400,13 +400,15 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 @pytest.mark.parametrize("flags", [
     TP2_PP2,
     ["--tensor-model-parallel-size", "2", "--grad-compression", "int8",
-     "--use-distributed-optimizer"],
+     "--use-distributed-optimizer", "--async-save"],
     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
      "--grad-compression", "powersgd:2", "--use-distributed-optimizer"],
-], ids=["tp2-pp2-adamw", "tp2-dp2-int8-zero1", "pp2-vp2-dp2-powersgd-zero1"])
+], ids=["tp2-pp2-adamw", "tp2-dp2-int8-zero1-async-save", "pp2-vp2-dp2-powersgd-zero1"])
 def test_cpp_and_python_resume_each_others_checkpoints(tmp_path, tmp_path_factory, flags):
-    """train_gpt --save/--load in pretrain_gpt.py's checkpoint files: a C++
-    run resumed from its own step-3 checkpoint repeats steps 4-6 bit for bit
+    """train_gpt --save/--load in pretrain_gpt.py's checkpoint files (both
+    trainers writing through the engine's save job, on its background thread
+    with --async-save): a C++ run resumed from its own step-3 checkpoint
+    repeats steps 4-6 bit for bit
     (AdamW moments or ZeRO-1 pieces, codec error feedback / PowerSGD state,
     RNG); a C++ run resumes Python's checkpoint and a Python run resumes the
     C++ one, each continuing the other's run bit for bit."""

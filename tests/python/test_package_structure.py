@@ -167,7 +167,9 @@ ONE_ENGINE = {
         # CRC tables, positioned reads of tensor files, safetensors headers, the
         # commit's temporary directory and `latest` pointer
         ("0xEDB88320", "zlib.crc32", "os.pread", "pread(", "safe_open", 'unpack("<Q"',
-         ".latest.tmp", "data_offsets"),
+         ".latest.tmp", "data_offsets",
+         # the save's rendezvous and its background writer (async save)
+         "_StoreRendezvous", "mapp-ckpt-writer", "wait_all(\"written\")"),
     ),
     "global gradient norm and clipping": (
         "src/torch/ddp.cc",

@@ -59,6 +59,10 @@ struct CheckpointOptions {
   // consumed_samples), as pretrain_gpt.py writes them.
   std::string config_json = "{}";
   std::string extra_json = "{}";
+  // Megatron's --async-save: returns once the state is copied to host memory;
+  // a background thread writes, fsyncs and commits (wait_pending_save() for
+  // its path; the next save waits for it first).
+  bool async_save = false;
 };
 
 struct CheckpointInfo {
@@ -69,7 +73,9 @@ struct CheckpointInfo {
 };
 
 // Collective (every rank calls it): writes and commits <dir>/iter_<7 digits>
-// and points <dir>/latest at it; returns its path.
+// and points <dir>/latest at it; returns its path ("" with async_save: see
+// wait_pending_save in checkpoint_engine.h). The ranks meet through the store
+// dist::init joined for the commit (the engine's run_save_job).
 std::string save_checkpoint(const std::string& dir, std::int64_t iteration,
                             const std::vector<CheckpointChunk>& chunks,
                             const dist::ParallelState& state, const CheckpointOptions& options);

@@ -9,6 +9,9 @@
 //  * the commit: each rank writes rank<R>.safetensors and its index into
 //    <dir>/.tmp.iter_N; rank 0 merges the indices into metadata.json, fsyncs,
 //    renames the directory to iter_N and replaces <dir>/latest by rename;
+//  * a rank's save as one job (SaveJob): its files written, the ranks meeting
+//    through the c10d store (no collective), rank 0 committing — run inline
+//    or on a background thread (AsyncCheckpointSave: async save);
 //  * streamed, resharding reads: each destination (this rank's tensor-
 //    parallel region of a global tensor, or a flat range of it) is filled
 //    from the byte ranges of the stored pieces that overlap it, on a thread
@@ -20,7 +23,9 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -117,6 +122,55 @@ std::int64_t write_rank_files(const std::string& dir, const std::string& name, i
 // replaced), fsyncs <dir> and replaces <dir>/latest. Returns the final path.
 std::string commit_checkpoint(const std::string& dir, const std::string& name,
                               const std::string& meta_json, int world);
+// Everything one rank saves (a front-end collects it) and the commit's
+// metadata (used by rank 0).
+struct SaveJob {
+  std::string dir, name;  // name: checkpoint_name(iteration)
+  int rank = 0, world = 1;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::string pieces_json = "[]", ddp_json = "[]";               // write_rank_files
+  std::vector<std::pair<std::string, std::string>> metadata;    // of the tensor file
+  std::string meta_json = "{}";                                  // commit_checkpoint (rank 0)
+};
+// After rank 0's begin_checkpoint: writes this rank's files, then meets the
+// other ranks through `store` under `prefix` (set/wait, no collective, so it
+// may run on another thread beside training): rank 0 commits once every rank
+// has written, and every rank returns once the commit is done, with the
+// committed path. A failure on any rank surfaces there; the others wait for
+// the store's timeout.
+std::string run_save_job(SaveJob job, const c10::intrusive_ptr<c10d::Store>& store,
+                         const std::string& prefix);
+
+// A save running on a background thread (async save: the caller gave host
+// copies of its tensors). wait() returns the committed path or rethrows the
+// failure; the destructor waits (dropping a failure nobody asked about).
+class AsyncCheckpointSave {
+ public:
+  AsyncCheckpointSave(SaveJob job, c10::intrusive_ptr<c10d::Store> store, std::string prefix);
+  ~AsyncCheckpointSave();
+  AsyncCheckpointSave(const AsyncCheckpointSave&) = delete;
+  AsyncCheckpointSave& operator=(const AsyncCheckpointSave&) = delete;
+  std::string wait();
+  bool done() const { return done_.load(); }
+
+ private:
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+  std::string path_;
+  std::exception_ptr error_;
+};
+
+// The process's save in flight (one at a time, as Megatron's async save): a
+// new save first waits for it. set_pending_save replaces it (waiting for the
+// previous one); wait_pending_save returns its path ("" when none) and clears it.
+void set_pending_save(std::shared_ptr<AsyncCheckpointSave> save);
+std::string wait_pending_save();
+
+// The c10d store dist::init joined (null before; C++ trainers' checkpoints
+// meet through it).
+c10::intrusive_ptr<c10d::Store> rendezvous_store();
+void set_rendezvous_store(c10::intrusive_ptr<c10d::Store> store);
+
 // The checkpoint <dir>/latest names; nullopt without `latest`. Throws
 // ValueError for a pointer that names nothing valid.
 std::optional<std::string> latest_checkpoint(const std::string& dir);

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 
 import torch.distributed as dist
 
@@ -203,12 +202,10 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
     _finish_param_sync(chunks)
     rank = dist.get_rank()
     name = _C.checkpoint_name(iteration)
-    final = os.path.join(directory, name)
     if rank == 0:
         with engine_errors():
             _C.checkpoint_begin(directory, name)
     dist.barrier()
-    t0 = time.perf_counter()
     params = _params(chunks)
     tensors, index = {}, []
     fname = f"rank{rank}.safetensors"
@@ -247,60 +244,50 @@ def save(directory: str, iteration: int, chunks, optimizer=None, *, config: dict
             tensors[f"rank/ddp{ci}/{key}"] = t
     if async_save:  # the blocking part: a host copy of everything
         tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+    meta = {"format": FORMAT_VERSION, "iteration": iteration, "config": config or {},
+            "extra": extra or {},
+            "parallel": {"world": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
+                         "dp": state.dp_size, "ep": state.ep_size, "cp": state.cp_size,
+                         "etp": state.etp_size, "vpp": len(chunks)}}
     _SAVE_SEQ[0] += 1
-    sync = _StoreRendezvous(f"mapp_ckpt/{_SAVE_SEQ[0]}/", rank, dist.get_world_size())
-    job = _CommitJob(directory, name, final, tensors, index, ddp_meta, rank, iteration, config,
-                     extra, state, len(chunks), sync, t0)
+    # The engine writes, meets the other ranks through the store (no
+    # collective: it may run on a background thread) and rank 0 commits.
+    with engine_errors():
+        out = _C.checkpoint_save(
+            directory, name, rank, dist.get_world_size(), list(tensors.items()),
+            json.dumps(index), json.dumps(ddp_meta),
+            [("rank", str(rank)), ("iteration", str(iteration))], json.dumps(meta),
+            _collectives.default_store(), f"mapp_ckpt/{_SAVE_SEQ[0]}/", async_save)
     if async_save:
-        _PENDING = AsyncSave(job)
+        _PENDING = AsyncSave(out)
         return _PENDING
-    job.run()
-    return latest(directory)
+    return out
 
 
 _SAVE_SEQ = [0]
 _PENDING = None
 
 
-class _StoreRendezvous:
-    """Ranks meet through the c10d store (usable from a background thread)."""
-
-    def __init__(self, prefix, rank, world):
-        self.store = dist.PrefixStore(prefix, _collectives.default_store())
-        self.rank, self.world = rank, world
-
-    def arrive(self, what: str) -> None:
-        self.store.set(f"{what}/{self.rank}", "1")
-
-    def wait_all(self, what: str) -> None:
-        self.store.wait([f"{what}/{r}" for r in range(self.world)])
-
-
 class AsyncSave:
-    """A checkpoint being written in the background; ``wait()`` returns its
-    committed path (re-raising a failure)."""
+    """A checkpoint being written in the background (the engine's
+    ``AsyncCheckpointSave``); ``wait()`` returns its committed path
+    (re-raising a failure)."""
 
     def __init__(self, job):
-        import threading
-
         self.job = job
         self.error = None
         self.path = None
-        self.thread = threading.Thread(target=self._run, name="mapp-ckpt-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            self.job.run()
-            self.path = self.job.final
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
-            self.error = e
 
     def done(self) -> bool:
-        return not self.thread.is_alive()
+        return self.job.done()
 
     def wait(self) -> str:
-        self.thread.join()
+        if self.path is None and self.error is None:
+            try:
+                with engine_errors():
+                    self.path = self.job.wait()
+            except BaseException as e:  # noqa: BLE001 - kept, re-raised on every wait()
+                self.error = e
         if self.error is not None:
             raise self.error
         return self.path
@@ -310,41 +297,9 @@ def wait_pending() -> None:
     """Blocks until an asynchronous save in flight is committed."""
     global _PENDING
     if _PENDING is not None:
-        _PENDING.wait()
-        _PENDING = None
-
-
-class _CommitJob:
-    def __init__(self, directory, name, final, tensors, index, ddp_meta, rank, iteration,
-                 config, extra, state, nchunks, sync, t0):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
-
-    def run(self) -> None:
-        directory, name, rank = self.directory, self.name, self.rank
-        with engine_errors():
-            _C.checkpoint_write_rank_files(
-                directory, name, rank, list(self.tensors.items()), json.dumps(self.index),
-                json.dumps(self.ddp_meta), [("rank", str(rank)), ("iteration", str(self.iteration))])
-        self.tensors = None
-        self.sync.arrive("written")
-        if rank == 0:
-            self.sync.wait_all("written")
-            self._commit(directory, name)
-        self.sync.arrive("committed")
-        self.sync.wait_all("committed")
-
-    def _commit(self, directory, name) -> None:
-        state = self.state
-        meta = {"format": FORMAT_VERSION, "iteration": self.iteration,
-                "config": self.config or {}, "extra": self.extra or {},
-                "parallel": {"world": dist.get_world_size(), "tp": state.tp_size,
-                             "pp": state.pp_size, "dp": state.dp_size, "ep": state.ep_size,
-                             "cp": state.cp_size, "etp": state.etp_size, "vpp": self.nchunks}}
-        with engine_errors():  # + every rank's pieces; metadata.json, rename, `latest`
-            self.final = _C.checkpoint_commit(directory, name, json.dumps(meta),
-                                              dist.get_world_size())
-        _C.log("info", f"saved checkpoint {self.final} ({time.perf_counter() - self.t0:.2f}s)")
+        pending, _PENDING = _PENDING, None
+        pending.wait()
+    _C.checkpoint_wait_pending()
 
 
 # ---- load ---------------------------------------------------------------------------------
