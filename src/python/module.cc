@@ -654,13 +654,8 @@ void register_checkpoint(py::module_& m) {
                                std::move(tensors), std::move(pieces_json), std::move(ddp_json),
                                std::move(metadata), std::move(meta_json));
     if (async_save) {
-      std::shared_ptr<mapp::AsyncCheckpointSave> save;
-      {
-        py::gil_scoped_release nogil;
-        save = std::make_shared<mapp::AsyncCheckpointSave>(std::move(job), store, prefix);
-        mapp::set_pending_save(save);
-      }
-      return py::cast(save);
+      // Python keeps its own pending save (megatronapp.checkpoint.wait_pending).
+      return py::cast(std::make_shared<mapp::AsyncCheckpointSave>(std::move(job), store, prefix));
     }
     std::string path;
     {
@@ -671,8 +666,6 @@ void register_checkpoint(py::module_& m) {
   }, py::arg("directory"), py::arg("name"), py::arg("rank"), py::arg("world"), py::arg("tensors"),
      py::arg("pieces_json"), py::arg("ddp_json"), py::arg("metadata"), py::arg("meta_json"),
      py::arg("store"), py::arg("prefix"), py::arg("async_save"));
-  m.def("checkpoint_wait_pending", &mapp::wait_pending_save,
-        py::call_guard<py::gil_scoped_release>());
   m.def("checkpoint_latest", &mapp::latest_checkpoint, py::arg("directory"));
   m.def("checkpoint_read_metadata", &mapp::read_checkpoint_metadata, py::arg("directory_or_path"));
   py::class_<mapp::TensorFile>(m, "CheckpointTensorFile")

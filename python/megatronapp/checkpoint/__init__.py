@@ -299,7 +299,6 @@ def wait_pending() -> None:
     if _PENDING is not None:
         pending, _PENDING = _PENDING, None
         pending.wait()
-    _C.checkpoint_wait_pending()
 
 
 # ---- load ---------------------------------------------------------------------------------
