@@ -385,6 +385,14 @@ class ComputeTrace {
       cpu0_ = faults::thread_time_ns();
     e_.start_ns = t->now_ns();
   }
+  ~ComputeTrace() {  // an action that threw: its event (and a pooled GPU timer) still ends
+    try {
+      end();
+    } catch (...) {  // the action's own error is the one to report
+    }
+  }
+  ComputeTrace(const ComputeTrace&) = delete;
+  ComputeTrace& operator=(const ComputeTrace&) = delete;
   void end() {
     if (tracer_ == nullptr) return;
     e_.end_ns = tracer_->now_ns();
