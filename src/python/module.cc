@@ -453,6 +453,16 @@ void register_pipeline(py::module_& parent) {
         return a.observe(r);
       }, py::arg("compute_time"), py::arg("tensor_shape"), py::arg("dtype"), py::arg("device"),
          py::call_guard<py::gil_scoped_release>());
+  m.def("injected_slowdown", [] {
+    const auto s = mapp::faults::injected_slowdown();
+    if (!s) return py::object(py::none());
+    py::object rank = s->ranks.size() == 1 ? py::object(py::int_(s->rank))
+                                           : py::object(py::tuple(py::cast(s->ranks)));
+    const char* phase = s->forward && s->backward ? "all" : s->forward ? "forward" : "backward";
+    return py::object(py::dict(py::arg("rank") = rank, py::arg("factor") = s->factor,
+                               py::arg("phase") = phase, py::arg("start") = s->start));
+  }, "the parsed MAPP_INJECT_SLOWDOWN ({rank (an int, or a tuple for rank=0+2), factor, "
+     "phase, start}) or None");
   m.def("injected_link_delay", [] {
     const auto d = mapp::faults::injected_link_delay();
     return d ? py::object(py::dict(py::arg("rank") = d->rank, py::arg("peer") = d->peer,

@@ -2,6 +2,7 @@
 // as python/megatronapp/resilience/faults.py parses the others.
 #include "mapp/torch/faults.h"
 
+#include <algorithm>
 #include <atomic>
 #include <ctime>
 #include <stdexcept>
@@ -32,6 +33,10 @@ std::atomic<int> current_iteration{0};
 void set_iteration(int it) { current_iteration.store(it, std::memory_order_relaxed); }
 int iteration() { return current_iteration.load(std::memory_order_relaxed); }
 
+bool Slowdown::applies_to(int global_rank) const {
+  return std::find(ranks.begin(), ranks.end(), global_rank) != ranks.end();
+}
+
 std::optional<Slowdown> injected_slowdown() {
   const std::string text = tunable_string("MAPP_INJECT_SLOWDOWN");
   if (text.empty()) return std::nullopt;
@@ -49,8 +54,17 @@ std::optional<Slowdown> injected_slowdown() {
     MAPP_CHECK(k == "rank" || k == "factor" || k == "phase" || k == "start",
                "MAPP_INJECT_SLOWDOWN: unknown key '", k, "' (expected factor, phase, rank, start)");
     try {
-      if (k == "rank") {
-        s.rank = std::stoi(v);
+      if (k == "rank") {  // "1" or "0+2"
+        std::size_t at = 0;
+        while (at <= v.size()) {
+          const std::size_t plus = std::min(v.find('+', at), v.size());
+          std::size_t used = 0;
+          const std::string one = v.substr(at, plus - at);
+          s.ranks.push_back(std::stoi(one, &used));
+          MAPP_CHECK(used == one.size(), "MAPP_INJECT_SLOWDOWN: bad value '", v, "' for 'rank'");
+          at = plus + 1;
+        }
+        s.rank = s.ranks.front();
         has_rank = true;
       } else if (k == "start") {
         s.start = std::stoi(v);

@@ -488,7 +488,7 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
   // MAPP_INJECT_SLOWDOWN naming this rank: its actions do `factor` x their work.
   std::optional<faults::Slowdown> slow;
   if (options.inject_slowdown) slow = faults::injected_slowdown();
-  if (slow && (slow->rank != groups.stage_ranks[stage] || slow->factor == 1.0)) slow.reset();
+  if (slow && (!slow->applies_to(groups.stage_ranks[stage]) || slow->factor == 1.0)) slow.reset();
   SyncControl sync(chunks, !options.forward_only);
 
   for (std::size_t i = 0; i < actions.size(); ++i) {

@@ -221,6 +221,11 @@ ONE_ENGINE = {
         "src/torch/pipeline.cc",
         ("_probe_links", "self._stage[stage] +=", "Policy::kAdaptive, limit, costs"),
     ),
+    "fault-injection variables parsed (MAPP_INJECT_SLOWDOWN, MAPP_INJECT_LINK_DELAY)": (
+        "src/torch/faults.cc",
+        ('"MAPP_INJECT_SLOWDOWN", {', '"MAPP_INJECT_LINK_DELAY", {', "SLOWDOWN: factor must be",
+         "ms must be >= 0"),
+    ),
     "deferred weight gradients (the zero-bubble linear and its store)": (
         "src/torch/nn.cc",
         # the active store, the store's entries, a linear autograd function of its own

@@ -3,7 +3,7 @@
 //
 //   MAPP_INJECT_SLOWDOWN="rank=1,factor=1.5,phase=forward|backward|all[,start=K]"
 //
-// emulates a down-clocked device on global rank 1: mapp::forward_backward
+// emulates a down-clocked device on global rank 1 (`rank=0+2`: on several): mapp::forward_backward
 // keeps the thread busy, after each forward (F) and/or backward (B, BI, W)
 // action of that rank, for (factor - 1) x the thread CPU time the action
 // took, so its busy time grows like a slower device's.
@@ -17,14 +17,17 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace mapp::faults {
 
 struct Slowdown {
-  int rank = -1;
+  int rank = -1;           // the first of `ranks`
+  std::vector<int> ranks;  // `rank=1` or `rank=0+2` (e.g. the forward ranks of MegaFBD)
   double factor = 1.0;
   bool forward = false, backward = false;
   int start = 0;  // first iteration slowed (`start=K`; see set_iteration)
+  bool applies_to(int global_rank) const;
 };
 
 // The training loop's current iteration (train_gpt calls it at the start of

@@ -32,8 +32,6 @@ from .. import _C
 
 __all__ = ["slowdown", "link_delay", "apply_slowdown", "maybe_kill"]
 
-_PHASES = ("forward", "backward", "all")
-
 
 def _parse(var: str, keys: dict) -> dict | None:
     text = _C.tunable(var).strip()  # declared with the other tunables (python -m megatronapp)
@@ -58,25 +56,10 @@ def _parse(var: str, keys: dict) -> dict | None:
 
 
 def slowdown() -> dict | None:
-    """The parsed MAPP_INJECT_SLOWDOWN, or None."""
-    spec = _parse("MAPP_INJECT_SLOWDOWN", {"rank": _ranks, "factor": float, "phase": str,
-                                           "start": int})
-    if spec is None:
-        return None
-    spec.setdefault("phase", "all")
-    spec.setdefault("start", 0)
-    if spec["phase"] not in _PHASES:
-        raise ValueError(f"MAPP_INJECT_SLOWDOWN: phase must be one of {_PHASES}, "
-                         f"got '{spec['phase']}'")
-    if spec["factor"] < 1.0:
-        raise ValueError(f"MAPP_INJECT_SLOWDOWN: factor must be >= 1, got {spec['factor']}")
-    return spec
-
-
-def _ranks(text: str):
-    """``"1"`` -> 1, ``"0+2"`` -> (0, 2)."""
-    parts = [int(x) for x in text.split("+")]
-    return parts[0] if len(parts) == 1 else tuple(parts)
+    """The parsed MAPP_INJECT_SLOWDOWN ({"rank": int or tuple, "factor",
+    "phase", "start"}), or None: parsed by the engine, which applies it to
+    C++ trainers' pipeline actions (Python's trainers hook their layers)."""
+    return _C.pipeline.injected_slowdown()
 
 
 def link_delay() -> dict | None:
