@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
   app.add_option("--virtual-pipeline-model-parallel-size", a.vpp,
                  "model chunks per pipeline stage (interleaved / dynamic schedules)");
   app.add_option("--pipeline-schedule", a.pipeline_schedule,
-                 "gpipe, 1f1b, interleaved, zero-bubble, dynamic");
+                 "gpipe, 1f1b, interleaved, zero-bubble, zb-v, dynamic");
   app.add_option("--pipeline-dynamic-policy", a.pipeline_dynamic_policy,
                  "planner policy of --pipeline-schedule dynamic: dfc, bfc, auto, adaptive");
   app.add_option("--pipeline-memory-limit", a.pipeline_memory_limit,
@@ -181,11 +181,8 @@ int main(int argc, char** argv) {
       throw mapp::ValueError(
           "train_gpt: context parallelism is not available from C++ yet; use "
           "examples/pretrain_gpt.py");
-    if (a.pipeline_schedule == "zb-v")
-      throw mapp::ValueError(
-          "train_gpt: --pipeline-schedule zb-v is not available from C++ yet (the V placement "
-          "of its layers and tied embeddings); use examples/pretrain_gpt.py");
-    const int v = a.vpp > 0 ? a.vpp : 1;
+    // zb-v runs two chunks per stage in a V (set for you, as pretrain_gpt.py does)
+    const int v = a.vpp > 0 ? a.vpp : (a.pipeline_schedule == "zb-v" && a.pp > 1 ? 2 : 1);
     if (a.vpp > 1 && a.pp == 1)
       throw mapp::ValueError(
           "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1");
@@ -237,15 +234,16 @@ int main(int argc, char** argv) {
     cfg.recompute_granularity = a.recompute_granularity;
     cfg.recompute_method = a.recompute_method;
     cfg.recompute_num_layers = a.recompute_num_layers;
-    // This rank's chunks: chunk c is virtual stage c * pp + pp_rank, with its
-    // share of the layers (global numbers: the same weights at every pp).
+    // This rank's chunks: chunk c is virtual stage schedule.vstage(pp_rank, c)
+    // (c * pp + pp_rank; zb-v's V: odd chunks backwards), with its share of
+    // the layers (global numbers: the same weights at every pp).
     const int per = a.num_layers / (a.pp * v);
     std::vector<mapp::nn::GPTModel> chunks;
     std::vector<std::unique_ptr<mapp::DistributedDataParallel>> ddps;
     std::vector<mapp::DistributedDataParallel*> ddp_ptrs;
     std::vector<mapp::PipelineChunk> stages;
     for (int c = 0; c < v; ++c) {
-      const int vs = c * a.pp + st.pp_rank();
+      const int vs = schedule.vstage(st.pp_rank(), c);
       mapp::nn::GPTStage part{.pre_process = vs == 0, .post_process = vs == a.pp * v - 1};
       for (int i = 0; i < per; ++i) part.layer_numbers.push_back(vs * per + i);
       chunks.emplace_back(cfg, st, a.seed, part);

@@ -321,9 +321,13 @@ PIPE_FLAGS = [f if f != "2" or GPT_FLAGS[i - 1] != "--num-layers" else "4"
     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
      "--recompute-granularity", "full", "--recompute-method", "block",
      "--recompute-num-layers", "1", "--use-distributed-optimizer"],
+    # ZB-V: two chunks per stage in a V (the first and the last virtual stage,
+    # with both tied embeddings, on stage 0), BI/W split, ZeRO-1 over dp
+    ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+     "--use-distributed-optimizer"],
 ], ids=["tp2-pp2-zero-bubble", "pp2-vp2-dp2-int8-zero1", "tp2-sp-pp2-gpipe",
         "pp4-dynamic-dfc", "pp2-dp2-adaptive-powersgd", "tp2-pp2-zb-recompute-uniform",
-        "pp2-vp2-dp2-recompute-block-zero1"])
+        "pp2-vp2-dp2-recompute-block-zero1", "pp2-dp2-zb-v-zero1"])
 def test_cpp_pipeline_trainer_gives_pretrain_gpt_losses(tmp_path, flags):
     """train_gpt with --pipeline-model-parallel-size: mapp::forward_backward
     over the C++ schedule IR (stages split as pretrain_gpt.py splits them,
