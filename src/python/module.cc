@@ -253,6 +253,20 @@ at::Tensor tensor_or_undefined(const py::object& r) {
   return r.cast<at::Tensor>();
 }
 
+// A Python callable as a C++ one (none for None): called with the GIL, kept
+// and dropped safely without it; a tensor result may be None (undefined).
+template <typename R, typename... A>
+std::function<R(A...)> from_python(py::object f) {
+  static_assert(std::is_void_v<R> || std::is_same_v<R, at::Tensor>, "a tensor or nothing");
+  if (f.is_none()) return {};
+  auto held = gil_held(std::move(f));
+  return [held](A... args) -> R {
+    py::gil_scoped_acquire gil;
+    py::object r = (*held)(args...);
+    if constexpr (std::is_same_v<R, at::Tensor>) return tensor_or_undefined(r);
+  };
+}
+
 void register_pipeline(py::module_& parent) {
   namespace pl = mapp::pipeline;
   auto m = parent.def_submodule("pipeline", "Pipeline schedules (C++ core)");
@@ -363,35 +377,13 @@ void register_pipeline(py::module_& parent) {
                "forward_backward: one reducer / set_sync / finish_sync entry per chunk");
     std::vector<mapp::PipelineChunk> chunks(v);
     for (std::size_t c = 0; c < v; ++c) {
-      auto fwd = gil_held(std::move(forwards[c]));
-      chunks[c].forward_microbatch = [fwd](const at::Tensor& x, int mb) {
-        py::gil_scoped_acquire gil;
-        return tensor_or_undefined((*fwd)(x, mb));
-      };
+      chunks[c].forward_microbatch =
+          from_python<at::Tensor, const at::Tensor&, int>(std::move(forwards[c]));
       chunks[c].reducer = reducers[c].value_or(nullptr);
-      if (!set_syncs[c].is_none()) {
-        auto f = gil_held(std::move(set_syncs[c]));
-        chunks[c].set_sync = [f](bool on) {
-          py::gil_scoped_acquire gil;
-          (*f)(on);
-        };
-      }
-      if (!finish_syncs[c].is_none()) {
-        auto f = gil_held(std::move(finish_syncs[c]));
-        chunks[c].finish_sync = [f] {
-          py::gil_scoped_acquire gil;
-          (*f)();
-        };
-      }
+      chunks[c].set_sync = from_python<void, bool>(std::move(set_syncs[c]));
+      chunks[c].finish_sync = from_python<void>(std::move(finish_syncs[c]));
     }
-    std::function<at::Tensor(int)> first;
-    if (!inputs.is_none()) {
-      auto f = gil_held(std::move(inputs));
-      first = [f](int mb) {
-        py::gil_scoped_acquire gil;
-        return tensor_or_undefined((*f)(mb));
-      };
-    }
+    const auto first = from_python<at::Tensor, int>(std::move(inputs));
     mapp::PipelineOptions options;
     options.tensor_shape = std::move(tensor_shape);
     options.dtype = dtype;
@@ -640,29 +632,19 @@ void register_checkpoint(py::module_& m) {
         py::arg("meta_json"), py::arg("world"), py::call_guard<py::gil_scoped_release>());
   // A rank's save as one job (checkpoint_engine.h): written, the ranks
   // meeting through the store, rank 0 committing; inline or on a thread.
-  auto job_of = [](std::string directory, std::string name, int rank, int world,
-                   std::vector<std::pair<std::string, at::Tensor>> tensors,
-                   std::string pieces_json, std::string ddp_json,
-                   std::vector<std::pair<std::string, std::string>> metadata,
-                   std::string meta_json) {
-    return mapp::SaveJob{std::move(directory), std::move(name),        rank,
-                         world,                std::move(tensors),     std::move(pieces_json),
-                         std::move(ddp_json),  std::move(metadata),    std::move(meta_json)};
-  };
   py::class_<mapp::AsyncCheckpointSave, std::shared_ptr<mapp::AsyncCheckpointSave>>(
       m, "AsyncCheckpointSave")
       .def("wait", &mapp::AsyncCheckpointSave::wait, py::call_guard<py::gil_scoped_release>())
       .def("done", &mapp::AsyncCheckpointSave::done);
-  m.def("checkpoint_save", [job_of](std::string directory, std::string name, int rank, int world,
-                                    std::vector<std::pair<std::string, at::Tensor>> tensors,
-                                    std::string pieces_json, std::string ddp_json,
-                                    std::vector<std::pair<std::string, std::string>> metadata,
-                                    std::string meta_json,
-                                    const c10::intrusive_ptr<c10d::Store>& store,
-                                    const std::string& prefix, bool async_save) -> py::object {
-    mapp::SaveJob job = job_of(std::move(directory), std::move(name), rank, world,
-                               std::move(tensors), std::move(pieces_json), std::move(ddp_json),
-                               std::move(metadata), std::move(meta_json));
+  m.def("checkpoint_save", [](std::string directory, std::string name, int rank, int world,
+                              std::vector<std::pair<std::string, at::Tensor>> tensors,
+                              std::string pieces_json, std::string ddp_json,
+                              std::vector<std::pair<std::string, std::string>> metadata,
+                              std::string meta_json, const c10::intrusive_ptr<c10d::Store>& store,
+                              const std::string& prefix, bool async_save) -> py::object {
+    mapp::SaveJob job{std::move(directory), std::move(name),     rank,
+                      world,                std::move(tensors),  std::move(pieces_json),
+                      std::move(ddp_json),  std::move(metadata), std::move(meta_json)};
     if (async_save) {
       // Python keeps its own pending save (megatronapp.checkpoint.wait_pending).
       return py::cast(std::make_shared<mapp::AsyncCheckpointSave>(std::move(job), store, prefix));
@@ -732,10 +714,7 @@ void register_weight_grads(py::module_& m) {
         py::arg("store").none(true));
   m.def("defer_weight_grad", [](const at::Tensor& param, py::function wgrad) {
     // The closure may be called, and is destroyed, on a thread without the GIL.
-    std::shared_ptr<py::function> fn(new py::function(std::move(wgrad)), [](py::function* f) {
-      py::gil_scoped_acquire gil;
-      delete f;
-    });
+    auto fn = gil_held(std::move(wgrad));
     return nn::defer(param, [fn] {
       py::gil_scoped_acquire gil;
       return (*fn)().cast<at::Tensor>();

@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <atomic>
 #include <ctime>
+#include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "mapp/common/check.h"
 #include "mapp/common/tunables.h"
@@ -37,50 +40,64 @@ bool Slowdown::applies_to(int global_rank) const {
   return std::find(ranks.begin(), ranks.end(), global_rank) != ranks.end();
 }
 
-std::optional<Slowdown> injected_slowdown() {
-  const std::string text = tunable_string("MAPP_INJECT_SLOWDOWN");
-  if (text.empty()) return std::nullopt;
-  Slowdown s;
-  std::string phase = "all";
-  bool has_rank = false, has_factor = false;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
+namespace {
+// `var`'s comma-separated key=value pairs (empty when unset), each key one of
+// `keys`; ValueError naming the variable otherwise.
+std::map<std::string, std::string> pairs(const char* var, const std::set<std::string>& keys) {
+  const std::string text = tunable_string(var);
+  std::map<std::string, std::string> out;
+  if (text.empty()) return out;
+  std::string names;
+  for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+  for (std::size_t pos = 0; pos <= text.size();) {
     const std::size_t end = std::min(text.find(',', pos), text.size());
     const std::string part = text.substr(pos, end - pos);
     const std::size_t eq = part.find('=');
-    MAPP_CHECK(eq != std::string::npos, "MAPP_INJECT_SLOWDOWN='", text,
-               "': expected comma-separated key=value pairs with keys factor, phase, rank, start");
-    const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
-    MAPP_CHECK(k == "rank" || k == "factor" || k == "phase" || k == "start",
-               "MAPP_INJECT_SLOWDOWN: unknown key '", k, "' (expected factor, phase, rank, start)");
-    try {
-      if (k == "rank") {  // "1" or "0+2"
-        std::size_t at = 0;
-        while (at <= v.size()) {
-          const std::size_t plus = std::min(v.find('+', at), v.size());
-          std::size_t used = 0;
-          const std::string one = v.substr(at, plus - at);
-          s.ranks.push_back(std::stoi(one, &used));
-          MAPP_CHECK(used == one.size(), "MAPP_INJECT_SLOWDOWN: bad value '", v, "' for 'rank'");
-          at = plus + 1;
-        }
-        s.rank = s.ranks.front();
-        has_rank = true;
-      } else if (k == "start") {
-        s.start = std::stoi(v);
-      } else if (k == "factor") {
-        s.factor = std::stod(v);
-        has_factor = true;
-      } else {
-        phase = v;
-      }
-    } catch (const std::logic_error&) {
-      MAPP_CHECK(false, "MAPP_INJECT_SLOWDOWN: '", v, "' is not a number for ", k);
-    }
+    MAPP_CHECK(eq != std::string::npos, var, "='", text,
+               "': expected comma-separated key=value pairs with keys ", names);
+    const std::string k = part.substr(0, eq);
+    MAPP_CHECK(keys.count(k), var, ": unknown key '", k, "' (expected ", names, ")");
+    out[k] = part.substr(eq + 1);
     pos = end + 1;
   }
-  MAPP_CHECK(has_rank && has_factor, "MAPP_INJECT_SLOWDOWN='", text,
+  return out;
+}
+
+// A whole-string number (`1`, `0.5`); ValueError naming the variable and key.
+template <typename T>
+T number(const char* var, const std::string& key, const std::string& v) {
+  std::size_t used = 0;
+  T out{};
+  try {
+    if constexpr (std::is_integral_v<T>)
+      out = std::stoi(v, &used);
+    else
+      out = std::stod(v, &used);
+  } catch (const std::logic_error&) {
+    used = std::string::npos;
+  }
+  MAPP_CHECK(used == v.size(), var, ": '", v, "' is not a number for ", key);
+  return out;
+}
+}  // namespace
+
+std::optional<Slowdown> injected_slowdown() {
+  constexpr const char* kVar = "MAPP_INJECT_SLOWDOWN";
+  const auto kv = pairs(kVar, {"factor", "phase", "rank", "start"});
+  if (kv.empty()) return std::nullopt;
+  MAPP_CHECK(kv.count("rank") && kv.count("factor"), kVar, "='", tunable_string(kVar),
              "': rank and factor are required");
+  Slowdown s;
+  const std::string& ranks = kv.at("rank");  // "1" or "0+2"
+  for (std::size_t at = 0; at <= ranks.size();) {
+    const std::size_t plus = std::min(ranks.find('+', at), ranks.size());
+    s.ranks.push_back(number<int>(kVar, "rank", ranks.substr(at, plus - at)));
+    at = plus + 1;
+  }
+  s.rank = s.ranks.front();
+  s.factor = number<double>(kVar, "factor", kv.at("factor"));
+  if (kv.count("start")) s.start = number<int>(kVar, "start", kv.at("start"));
+  const std::string phase = kv.count("phase") ? kv.at("phase") : "all";
   MAPP_CHECK(phase == "forward" || phase == "backward" || phase == "all",
              "MAPP_INJECT_SLOWDOWN: phase must be one of forward, backward, all; got '", phase,
              "'");
@@ -91,37 +108,12 @@ std::optional<Slowdown> injected_slowdown() {
 }
 
 std::optional<LinkDelay> injected_link_delay() {
-  const std::string text = tunable_string("MAPP_INJECT_LINK_DELAY");
-  if (text.empty()) return std::nullopt;
-  LinkDelay d;
-  bool has_rank = false, has_peer = false, has_ms = false;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    const std::size_t end = std::min(text.find(',', pos), text.size());
-    const std::string part = text.substr(pos, end - pos);
-    const std::size_t eq = part.find('=');
-    MAPP_CHECK(eq != std::string::npos, "MAPP_INJECT_LINK_DELAY='", text,
-               "': expected comma-separated key=value pairs with keys ms, peer, rank");
-    const std::string k = part.substr(0, eq), v = part.substr(eq + 1);
-    MAPP_CHECK(k == "rank" || k == "peer" || k == "ms", "MAPP_INJECT_LINK_DELAY: unknown key '", k,
-               "' (expected ms, peer, rank)");
-    try {
-      std::size_t used = 0;
-      if (k == "ms") {
-        d.ms = std::stod(v, &used);
-        has_ms = true;
-      } else {
-        (k == "rank" ? d.rank : d.peer) = std::stoi(v, &used);
-        (k == "rank" ? has_rank : has_peer) = true;
-      }
-      MAPP_CHECK(used == v.size(), "MAPP_INJECT_LINK_DELAY: bad value '", v, "' for '", k, "'");
-    } catch (const std::logic_error&) {
-      MAPP_CHECK(false, "MAPP_INJECT_LINK_DELAY: bad value '", v, "' for '", k, "'");
-    }
-    pos = end + 1;
-  }
-  MAPP_CHECK(has_rank && has_peer && has_ms, "MAPP_INJECT_LINK_DELAY='", text,
-             "': rank, peer and ms are required");
+  constexpr const char* kVar = "MAPP_INJECT_LINK_DELAY";
+  const auto kv = pairs(kVar, {"ms", "peer", "rank"});
+  if (kv.empty()) return std::nullopt;
+  MAPP_CHECK(kv.size() == 3, kVar, "='", tunable_string(kVar), "': rank, peer and ms are required");
+  LinkDelay d{number<int>(kVar, "rank", kv.at("rank")), number<int>(kVar, "peer", kv.at("peer")),
+              number<double>(kVar, "ms", kv.at("ms"))};
   MAPP_CHECK(d.ms >= 0, "MAPP_INJECT_LINK_DELAY: ms must be >= 0");
   return d;
 }

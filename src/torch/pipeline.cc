@@ -522,31 +522,30 @@ PipelineResult forward_backward(const pipeline::Schedule& schedule,
       default:
         break;
     }
+    // The input of an F (kind 0) or a B/BI (kind 1): handed over by this
+    // stage's other chunk (wave placement), or received.
+    auto input = [&](int kind, bool local) {
+      if (!local) return p2p.wait_recv({kind, mb, vs});
+      auto it = handed.find({kind, mb, vs});
+      MAPP_CHECK_STATE(it != handed.end(), "forward_backward: ",
+                       kind == 0 ? "F" : "backward", " of microbatch ", mb, " chunk ", c,
+                       kind == 0 ? " before the previous chunk's forward on this stage"
+                                 : " before the next chunk's backward on this stage");
+      at::Tensor t = std::move(it->second);
+      handed.erase(it);
+      return t;
+    };
     at::Tensor x, dy;
     if (a.type == ActionType::kForward) {
-      if (vs == 0) {
-        if (inputs) x = inputs(mb);
-      } else if (local_in[c]) {
-        auto it = handed.find({0, mb, vs});
-        MAPP_CHECK_STATE(it != handed.end(), "forward_backward: F of microbatch ", mb,
-                         " chunk ", c, " before the previous chunk's forward on this stage");
-        x = std::move(it->second);
-        handed.erase(it);
-      } else {
-        x = p2p.wait_recv({0, mb, vs});
+      if (vs > 0) {
+        x = input(0, local_in[c]);
+        if (!options.forward_only) x.requires_grad_(true);
+      } else if (inputs) {
+        x = inputs(mb);
       }
-      if (vs > 0 && !options.forward_only) x.requires_grad_(true);
     } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
                vs < last_vs) {
-      if (local_out[c]) {
-        auto it = handed.find({1, mb, vs});
-        MAPP_CHECK_STATE(it != handed.end(), "forward_backward: backward of microbatch ", mb,
-                         " chunk ", c, " before the next chunk's backward on this stage");
-        dy = std::move(it->second);
-        handed.erase(it);
-      } else {
-        dy = p2p.wait_recv({1, mb, vs});
-      }
+      dy = input(1, local_out[c]);
     }
     ComputeTrace scope(a.type, mb, c, options);
     const auto t0 = std::chrono::steady_clock::now();

@@ -132,11 +132,12 @@ class MixedPrecisionOptimizer:
         for d in ddps:
             r = d._reducer  # noqa: SLF001 - the engine under the front-end
             grads = r.main_grads(self.sharded)  # ValueError unless fp32 main gradients
+            mains = r.main_params(self.sharded)
             for (b, p, lo, hi, shard_lo, param_lo), main, grad in zip(
-                    d.shard_pieces(self.sharded), r.main_params(self.sharded), grads, strict=True):
+                    d.shard_pieces(self.sharded), mains, grads, strict=True):
                 self._pieces.append(_Piece(b, p, lo, hi, shard_lo, param_lo, main, grad))
                 by_group[options.get(p, 0)].append(main)
-            self._mains_of.append([pc.main for pc in self._pieces[len(self._pieces) - len(grads):]])
+            self._mains_of.append(mains)
         groups = [dict(params=ps, **opts) for ps, opts in zip(by_group, group_opts, strict=True)]
         self.optimizer = optimizer_class(groups, **optimizer_kwargs)
         self.param_groups = self.optimizer.param_groups
@@ -170,14 +171,11 @@ class MixedPrecisionOptimizer:
         gradients.global_norm)."""
         return self.state_mp.expert_norm_groups() if self.state_mp else None
 
-    def _write_back_mains(self) -> None:
+    def _write_back(self) -> None:
         """The updated main values into the parameters (ZeRO-1: into this
         rank's chunk of each bucket), by the engine."""
         for d, mains in zip(self.ddps, self._mains_of, strict=True):
             d._reducer.write_back(mains, self.sharded)  # noqa: SLF001
-
-    def _write_back(self) -> None:
-        self._write_back_mains()
 
     def _bucket_span(self, b) -> int:
         """Elements of bucket b in bucket coordinates (ZeRO-1: with its padding)."""
@@ -334,7 +332,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _write_back(self) -> None:
         for d in self.ddps:
             d.finish_param_sync()  # (the forward waited for them already)
-        self._write_back_mains()
+        super()._write_back()
         for d in self.ddps:
             d.start_param_sync(force_sync=not self.overlap_param_gather)
 
