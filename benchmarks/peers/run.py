@@ -114,6 +114,13 @@ CONFIGS = {
                           True),
     "deepspeed-pp-mapp": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, mapp "
                           "backend", PP2 + ["--zero-stage", "1", MAPP], True),
+    "deepspeed-zero1-mapp": ("deepspeed", "DeepSpeed: ZeRO-1 x4, mapp backend",
+                             ["--zero-stage", "1", MAPP], True),
+    # Pure data parallelism: no pipeline bubble, the gradient reduction overlapped
+    # with the backward.
+    "ours-dp4": ("ours", "ours: DP4, pool", ["--memory-pool"], True),
+    "ours-dp4-zero1": ("ours", "ours: DP4, ZeRO-1, pool", ["--use-distributed-optimizer",
+                                                           "--memory-pool"], True),
     "ours-dp": ("ours", "ours: TP2 x DP2, int8 codec, pool", TP2 + [
         "--grad-compression", "int8", "--grad-compression-start-iter", "2", "--memory-pool"],
         False),
@@ -161,10 +168,17 @@ CONFIGS = {
     "ours-pp-dp-int8": ("ours", "ours: PP2 x DP2 zero-bubble, int8 codec, pool", PP2 + [
         "--pipeline-schedule", "zero-bubble", "--grad-compression", "int8",
         "--grad-compression-start-iter", "2", "--memory-pool"], False),
+    "ours-pp4-bf16": ("ours", "ours: PP4 zero-bubble, bf16, pool", PP4 + [
+        "--pipeline-schedule", "zero-bubble", "--bf16", "--memory-pool"], False),
     "ours-pp4-1f1b": ("ours", "ours: PP4 1F1B, pool", PP4 + [
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    # The same without gradient-accumulation fusion (weight gradients through a
+    # temporary that autograd adds): that change's effect, measured each run.
+    "ours-pp4-no-gaf": ("ours", "ours: PP4 zero-bubble, pool, no gradient-accumulation fusion",
+                        PP4 + ["--pipeline-schedule", "zero-bubble", "--memory-pool",
+                               "--no-gradient-accumulation-fusion"], True),
     # The same with the pipeline's send/recv through shared memory (opt-in,
     # MAPP_SHM_P2P=1): that transport's effect, measured each run.
     "ours-pp4-shm-p2p": ("ours", "ours: PP4 zero-bubble, pool, pipeline send/recv in shared memory",

@@ -60,6 +60,7 @@ struct Args {
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.01, clip_grad = 1.0;
   double hidden_dropout = 0.0, attention_dropout = 0.0, init_method_std = 0.02;
   bool sequence_parallel = false, use_distributed_optimizer = false, no_overlap_grad_reduce = false;
+  bool no_gradient_accumulation_fusion = false;
   std::string grad_compression = "none";
   int grad_compression_start_iter = 0;
   double bucket_size_mb = 25.0;
@@ -158,6 +159,9 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-size-mb", a.bucket_size_mb, "gradient bucket size");
   app.add_flag("--no-overlap-grad-reduce", a.no_overlap_grad_reduce,
                "reduce gradients at the end of backward instead of during it");
+  app.add_flag("--no-gradient-accumulation-fusion", a.no_gradient_accumulation_fusion,
+               "compute each weight gradient into a temporary that autograd adds to the "
+               "gradient buffer, instead of adding it in the GEMM itself");
   app.add_option("--data-path", a.data_path, "a UTF-8 text file (byte tokenizer)")->required();
   app.add_option("--log-interval", a.log_interval);
   app.add_flag("--trace", a.trace,
@@ -253,7 +257,8 @@ int main(int argc, char** argv) {
           mapp::DDPOptions{.bucket_size_mb = a.bucket_size_mb,
                            .compression = a.grad_compression,
                            .compression_start_iter = a.grad_compression_start_iter,
-                           .overlap_grad_reduce = !a.no_overlap_grad_reduce}));
+                           .overlap_grad_reduce = !a.no_overlap_grad_reduce,
+                           .gradient_accumulation_fusion = !a.no_gradient_accumulation_fusion}));
       ddp_ptrs.push_back(ddps.back().get());
       mapp::nn::GPTModel model = chunks.back();
       stages.push_back(

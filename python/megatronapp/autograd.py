@@ -77,13 +77,17 @@ def weight_and_bias_grads(ctx, dy: torch.Tensor, inputs, weight: torch.Tensor) -
     """(dW, db) of ``y = x W^T + b`` for a custom linear's backward whose
     arguments 1 and 2 are the weight and the bias: dW is deferred inside a
     :func:`deferring` backward (then None here), db computed now. `inputs`
-    returns x (called only when dW is needed, e.g. to gather it)."""
+    returns x (called only when dW is needed, e.g. to gather it). dW is the
+    engine's (``mapp::nn::linear_weight_grad``, as :func:`linear`'s): None
+    when the GEMM added it into the weight's gradient bucket in place
+    (gradient-accumulation fusion)."""
     dw = db = None
     if ctx.needs_input_grad[1]:
         x = inputs()
+        may_fuse = not torch.is_grad_enabled()  # (a double backward keeps its graph)
 
         def wgrad(dy=dy, x=x):
-            return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            return _C.linear_weight_grad(weight, dy, x, may_fuse)
         if not defer(weight, wgrad):
             dw = wgrad()
     if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -717,9 +717,19 @@ void register_weight_grads(py::module_& m) {
     auto fn = gil_held(std::move(wgrad));
     return nn::defer(param, [fn] {
       py::gil_scoped_acquire gil;
-      return (*fn)().cast<at::Tensor>();
+      const py::object g = (*fn)();  // None: added into .grad in place
+      return g.is_none() ? at::Tensor() : g.cast<at::Tensor>();
     });
   }, py::arg("param"), py::arg("wgrad"));
+  // dy^T x, or None once added into weight.grad by the GEMM (gradient-
+  // accumulation fusion): the custom linears' weight gradient, as linear()'s.
+  m.def("linear_weight_grad",
+        [](const at::Tensor& weight, const at::Tensor& dy, const at::Tensor& x, bool may_fuse) {
+          const at::Tensor g = nn::linear_weight_grad(weight, dy, x, may_fuse);
+          return g.defined() ? std::optional<at::Tensor>(g) : std::nullopt;
+        },
+        py::arg("weight"), py::arg("dy"), py::arg("x"), py::arg("may_fuse") = true,
+        py::call_guard<py::gil_scoped_release>());
   m.def("is_weight_grad_deferred", &nn::is_deferred, py::arg("param"));
   // Autograd's engine must be entered without the GIL.
   m.def("run_weight_grads", &nn::run_weight_grads, py::arg("store"),
@@ -842,6 +852,8 @@ void register_reducer(py::module_& m) {
       .def_readwrite("compression", &mapp::ReducerOptions::compression)
       .def_readwrite("compression_start_iter", &mapp::ReducerOptions::compression_start_iter)
       .def_readwrite("overlap_grad_reduce", &mapp::ReducerOptions::overlap_grad_reduce)
+      .def_readwrite("gradient_accumulation_fusion",
+                     &mapp::ReducerOptions::gradient_accumulation_fusion)
       .def_readwrite("grad_reduce_in_fp32", &mapp::ReducerOptions::grad_reduce_in_fp32)
       .def_readwrite("group", &mapp::ReducerOptions::group)
       .def_readwrite("expert_group", &mapp::ReducerOptions::expert_group)

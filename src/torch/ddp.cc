@@ -234,6 +234,13 @@ void GradReducer::add_bucket(std::vector<at::Tensor> params, bool exact, bool ex
     for (std::size_t i = 0; i < b.params.size(); ++i)
       b.main_grads.push_back(b.grad_data.slice(0, b.offsets[i], b.offsets[i] + b.params[i].numel())
                                  .view(b.params[i].sizes()));
+  // Where .grad is the bucket's view, linear() may add weight gradients into it.
+  if (options_.gradient_accumulation_fusion && !b.keeps_main_grad())
+    for (const auto& p : b.params) {
+      nn::ParamAttrs a = nn::param_attrs(p);
+      a.accumulate_wgrad_in_place = true;
+      nn::set_param_attrs(p, a);
+    }
   buckets_.push_back(std::move(b));
   attach_grads(buckets_.back(), /*zero=*/true);
 }
@@ -614,6 +621,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   ro.compression = options.compression;
   ro.compression_start_iter = options.compression_start_iter;
   ro.overlap_grad_reduce = options.overlap_grad_reduce;
+  ro.gradient_accumulation_fusion = options.gradient_accumulation_fusion;
   ro.group = group;
   reducer_ = std::make_unique<GradReducer>(std::move(params), std::move(ro));
   // C++ trainers and pipelines finish once per step (finish_grad_sync).

@@ -254,9 +254,9 @@ variable_list linear_backward(AutogradContext* ctx, const at::Tensor& dy, bool h
   at::Tensor dx, dw, db;
   if (ctx->needs_input_grad(0)) dx = dy.matmul(weight);
   if (ctx->needs_input_grad(1)) {
-    auto wgrad = [dy, x] {
-      return dy.reshape({-1, dy.size(-1)}).t().matmul(x.reshape({-1, x.size(-1)}));
-    };
+    // (a double backward keeps its graph: no in-place accumulation then)
+    const bool may_fuse = !at::GradMode::is_enabled();
+    auto wgrad = [weight, dy, x, may_fuse] { return linear_weight_grad(weight, dy, x, may_fuse); };
     if (!defer(weight, wgrad)) dw = wgrad();
   }
   if (has_bias && ctx->needs_input_grad(2)) db = dy.reshape({-1, dy.size(-1)}).sum(0);
@@ -310,16 +310,44 @@ bool is_deferred(const at::Tensor& param) {
          store->deferred_.end();
 }
 
+at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& dy, const at::Tensor& x,
+                              bool may_fuse) {
+  const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)}), x2 = x.reshape({-1, x.size(-1)});
+  // (A Python post-accumulate hook wants AccumulateGrad to run with the gradient.)
+  if (may_fuse && param_attrs(weight).accumulate_wgrad_in_place &&
+      !torch::autograd::impl::post_acc_grad_hooks(weight)) {
+    const at::Tensor& grad = weight.grad();
+    if (grad.defined() && grad.scalar_type() == dy2.scalar_type() &&
+        grad.scalar_type() == x2.scalar_type() && grad.device() == dy2.device() &&
+        grad.sizes() == at::IntArrayRef({dy2.size(1), x2.size(1)}) && grad.is_contiguous()) {
+      at::NoGradGuard no_grad;
+      grad.addmm_(dy2.t(), x2);  // .grad += dy^T x
+      return {};
+    }
+  }
+  return dy2.t().matmul(x2);
+}
+
 void run_weight_grads(WeightGradStore& store) {
   if (store.items_.empty()) return;
-  std::vector<at::Tensor> params, grads;
+  std::vector<at::Tensor> params, grads, in_place;
   for (auto& [p, fn] : store.items_) {
+    at::Tensor g = fn();
+    if (!g.defined()) {
+      in_place.push_back(p);
+      continue;
+    }
     params.push_back(p);
-    grads.push_back(fn());
+    grads.push_back(std::move(g));
   }
   store.items_.clear();
   store.deferred_.clear();
-  torch::autograd::backward(params, grads);
+  // Already in .grad: what AccumulateGrad would do after adding runs now (the
+  // DDP's readiness hooks), as autograd runs it for an undefined gradient.
+  for (const at::Tensor& p : in_place)
+    if (const auto acc = torch::autograd::impl::try_get_grad_accumulator(p))
+      for (const auto& hook : acc->post_hooks()) (*hook)({}, {});
+  if (!params.empty()) torch::autograd::backward(params, grads);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {

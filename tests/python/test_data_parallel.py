@@ -263,3 +263,90 @@ def test_ddp_adds_to_user_gradient_hooks():
         assert sorted(seen) == [("after", True), ("before", True)], seen
         assert err < 1e-5, err
         assert steps == 2
+
+
+class DeferrableNet(torch.nn.Module):
+    """Two of the engine's deferrable linears (the layers of megatronapp's
+    models) and a bias-free one: the weights whose gradients may be added into
+    the bucket in the GEMM (gradient-accumulation fusion)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(16, 12, generator=g))
+        self.b1 = torch.nn.Parameter(torch.randn(16, generator=g))
+        self.w2 = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+
+    def forward(self, x):
+        from megatronapp import autograd
+
+        return autograd.linear(torch.tanh(autograd.linear(x, self.w1, self.b1)), self.w2)
+
+
+def _fused_accumulation(rank, world, fused, defer, hooked):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import megatronapp as mapp
+    from megatronapp import autograd
+
+    model = DeferrableNet()
+    seen = []
+    if hooked:  # a user's post-accumulate hook: that weight goes through AccumulateGrad
+        model.w2.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    ddp = mapp.distributed.DistributedDataParallel(
+        model, process_group=dist.group.WORLD, bucket_size_mb=0.0005,
+        gradient_accumulation_fusion=fused)
+    xs = [torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(10 * r + m))
+          for r in range(world) for m in range(3)]
+    mine = xs[3 * rank:3 * rank + 3]
+
+    def backward(x):
+        if not defer:
+            ddp(x).pow(2).sum().backward()
+            return
+        store = autograd.WeightGradStore()
+        with autograd.deferring(store):  # zero-bubble: BI now, W later
+            ddp(x).pow(2).sum().backward()
+        autograd.run(store)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):  # the bucket is zeroed between steps, as by the optimizer
+            ddp.zero_grad_buffer()
+            with ddp.deferred_grad_sync():  # as the pipeline executor drives it
+                with ddp.no_sync():
+                    for x in mine[:-1]:
+                        backward(x)
+                backward(mine[-1])  # readiness hooks submit the buckets (in W when deferred)
+            ddp.finish_grad_sync()
+    in_gemm = sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_")
+    # float64 reference: every rank's microbatches, averaged over the ranks
+    ref = DeferrableNet().double()
+    for x in xs:
+        F = torch.nn.functional
+        F.linear(torch.tanh(F.linear(x.double(), ref.w1, ref.b1)), ref.w2).pow(2).sum().backward()
+    errs = [float(((p.grad.double() - q.grad / world).abs().max() / q.grad.abs().max()))
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
+    return errs, in_gemm, seen
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["1f1b", "deferred-w"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_gradient_accumulation_fusion_adds_weight_gradients_in_the_gemm(fused, defer):
+    """--gradient-accumulation-fusion (on by default, as in Megatron-LM): each
+    weight gradient is added into its bucket view by one GEMM with beta = 1,
+    also when zero-bubble's W pass computes it later; the averaged gradients
+    equal a float64 reference, and the bucket is reduced (readiness hooks run
+    without AccumulateGrad's add)."""
+    for errs, in_gemm, _ in run_ranks(_fused_accumulation, 2, fused, defer, False):
+        assert max(errs) < 1e-5, errs
+        # 2 weights x 3 microbatches x 2 steps
+        assert in_gemm == (12 if fused else 0), in_gemm
+
+
+def test_gradient_accumulation_fusion_leaves_hooked_weights_to_autograd():
+    """A weight with a user's post-accumulate hook keeps AccumulateGrad (the
+    hook sees its gradient); the other weight is still fused."""
+    for errs, in_gemm, seen in run_ranks(_fused_accumulation, 2, True, False, True):
+        assert max(errs) < 1e-5, errs
+        assert in_gemm == 6 and seen == [True] * 6, (in_gemm, seen)

@@ -62,6 +62,10 @@ struct ReducerOptions {
   int compression_start_iter = 0;          // synchronized steps reduced exactly first
   bool overlap_grad_reduce = true;         // submit buckets during backward
   bool grad_reduce_in_fp32 = false;        // float32 main gradients for bf16/fp16 parameters
+  // linear() adds weight gradients into the bucket in place (one GEMM with
+  // beta = 1, no temporary, no separate add: Megatron-LM's gradient-
+  // accumulation fusion) where .grad is the bucket's view
+  bool gradient_accumulation_fusion = true;
   std::string group;                       // the replicas: data (x context) group
   std::string expert_group;                // experts' replicas ("": group)
   double expert_scale = 1.0;               // expert buckets are scaled by it first
@@ -220,6 +224,7 @@ struct DDPOptions {
   std::string compression = "none";  // --grad-compression: none, int8, onebit:32, powersgd:4, ...
   int compression_start_iter = 0;    // --grad-compression-start-iter: exact until then
   bool overlap_grad_reduce = true;   // submit buckets during backward
+  bool gradient_accumulation_fusion = true;  // --no-gradient-accumulation-fusion turns it off
   bool broadcast_parameters = true;  // copy data-parallel rank 0's parameters first
 };
 

@@ -45,6 +45,11 @@ struct ParamAttrs {
   // the last stage's copy of tied embeddings: not counted in the gradient norm
   // (the first stage counts it)
   bool shared_embedding_replica = false;
+  // Gradient-accumulation fusion (Megatron-LM's --gradient-accumulation-fusion):
+  // the owner of this parameter's .grad (the DDP reducer, whose bucket view it
+  // is) lets linear() add the weight gradient into .grad in place, one GEMM with
+  // beta = 1, instead of a temporary that AccumulateGrad then adds.
+  bool accumulate_wgrad_in_place = false;
 };
 void set_param_attrs(const at::Tensor& param, const ParamAttrs& attrs);
 ParamAttrs param_attrs(const at::Tensor& param);  // defaults for an unmarked tensor
@@ -78,6 +83,8 @@ at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& x, const std::s
 // closure for the weight gradient instead of computing it (the bias gradient
 // is computed now). run_weight_grads() evaluates the closures and accumulates
 // them through autograd, so post-accumulate hooks (the DDP's) fire as usual.
+// A closure that accumulated into .grad in place (gradient-accumulation
+// fusion) returns an undefined tensor; its accumulator's post hooks are run.
 // The active store is process-wide, not thread-local (autograd may run
 // backward functions on device threads).
 class WeightGradStore {
@@ -111,14 +118,21 @@ class DeferringGuard {
 // one (front-ends without RAII scopes: the Python `deferring` context).
 WeightGradStore* set_active_weight_grad_store(WeightGradStore* store);
 
-// Inside a deferring backward: stores `wgrad` (returns `param`'s gradient)
-// and returns true; outside one returns false (compute the gradient now).
+// Inside a deferring backward: stores `wgrad` (returns `param`'s gradient, or
+// an undefined tensor once it added it into `param`'s .grad) and returns true; outside one returns false (compute the gradient now).
 bool defer(const at::Tensor& param, std::function<at::Tensor()> wgrad);
 // Whether `param`'s gradient was put aside by the active deferring backward
 // (autograd may still run its post-accumulate hooks, without a gradient).
 bool is_deferred(const at::Tensor& param);
 // Computes the stored gradients and accumulates them through autograd; empties the store.
 void run_weight_grads(WeightGradStore& store);
+// The weight gradient dy^T x of y = x W^T over every leading dim. When
+// `may_fuse` (not a double backward) and `weight` allows it
+// (ParamAttrs::accumulate_wgrad_in_place, a defined .grad of the same dtype
+// and shape, no Python post-accumulate hook) it is added into weight.grad() by
+// one GEMM with beta = 1 and an undefined tensor is returned.
+at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& dy, const at::Tensor& x,
+                              bool may_fuse = true);
 // y = x W^T + b whose weight gradient can be deferred.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 

@@ -103,6 +103,11 @@ class DistributedDataParallel(nn.Module):
             a :class:`~megatronapp.distributed.comm.Compression` with a warm-up.
         overlap_grad_reduce: submit bucket reductions during backward (True)
             or all at the end of backward (False).
+        gradient_accumulation_fusion: the model's linear layers add each weight
+            gradient into its bucket in the GEMM itself (beta = 1) instead of
+            through a temporary that autograd adds (Megatron-LM's
+            ``gradient_accumulation_fusion``; True). Where ``.grad`` is the
+            bucket's view (not under ``grad_reduce_in_fp32`` main gradients).
         broadcast_parameters: copy rank 0's parameters to every rank first.
         grad_reduce_in_fp32: accumulate and reduce the gradients of non-fp32
             parameters in float32 ``param.main_grad`` buffers.
@@ -111,7 +116,8 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
                  bucket_size_mb: float = 25, compression=None, overlap_grad_reduce: bool = True,
                  broadcast_parameters: bool = True, grad_reduce_in_fp32: bool = False,
-                 parallel_state: ParallelState | None = None):
+                 parallel_state: ParallelState | None = None,
+                 gradient_accumulation_fusion: bool = True):
         super().__init__()
         self.module = module
         if process_group is None:
@@ -167,6 +173,7 @@ class DistributedDataParallel(nn.Module):
         options.compression = self.compression.spec if self.compression else "none"
         options.compression_start_iter = self.compression.start_iter if self.compression else 0
         options.overlap_grad_reduce = overlap_grad_reduce
+        options.gradient_accumulation_fusion = gradient_accumulation_fusion
         options.grad_reduce_in_fp32 = grad_reduce_in_fp32
         options.group = self.group.group_name
         options.expert_group = self.expert_group.group_name

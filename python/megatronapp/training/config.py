@@ -137,6 +137,9 @@ class DataParallelConfig:
     bucket_size_mb: float = _flag(25.0, "gradient bucket size")
     no_overlap_grad_reduce: bool = _flag(
         False, "reduce gradients at the end of backward instead of during it")
+    no_gradient_accumulation_fusion: bool = _flag(
+        False, "compute each weight gradient into a temporary that autograd then adds to the "
+        "gradient buffer, instead of adding it into the buffer in the GEMM itself (beta = 1)")
     overlap_param_gather: bool = _flag(
         False, "ZeRO-1: all-gather the updated parameters in the background, each module "
         "waiting for its own just before its next forward (needs --use-distributed-optimizer)")

@@ -390,6 +390,8 @@ def wrap_data_parallel(config: Config, chunks: list, state: ParallelState) -> li
     pr = config.precision
     return [DistributedDataParallel(c, bucket_size_mb=dp.bucket_size_mb, compression=compression,
                                     overlap_grad_reduce=not dp.no_overlap_grad_reduce,
+                                    gradient_accumulation_fusion=(
+                                        not dp.no_gradient_accumulation_fusion),
                                     grad_reduce_in_fp32=(pr.bf16 or pr.fp16
                                                          or pr.accumulate_allreduce_grads_in_fp32),
                                     parallel_state=state)
