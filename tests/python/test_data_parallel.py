@@ -325,7 +325,7 @@ def _fused_accumulation(rank, world, fused, defer, hooked):
     for x in xs:
         F = torch.nn.functional
         F.linear(torch.tanh(F.linear(x.double(), ref.w1, ref.b1)), ref.w2).pow(2).sum().backward()
-    errs = [float(((p.grad.double() - q.grad / world).abs().max() / q.grad.abs().max()))
+    errs = [float((p.grad.double() - q.grad / world).abs().max() / q.grad.abs().max())
             for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     return errs, in_gemm, seen
 
