@@ -38,6 +38,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for name, default in _FLOAT_FLAGS:
         p.add_argument(f"--{name}", type=float, default=default)
     p.add_argument("--data-path", default=None)
+    # bf16 mixed precision (bf16 weights and activations, fp32 master weights and
+    # optimizer state): each stack's own implementation (ours: pretrain's --bf16)
+    p.add_argument("--bf16", action="store_true")
     # The block (Megatron-LM's flags; defaults: the GPT-2 block)
     p.add_argument("--ffn-hidden-size", type=int, default=None)
     p.add_argument("--swiglu", action="store_true")

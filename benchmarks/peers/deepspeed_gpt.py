@@ -81,7 +81,9 @@ def _config(args, dp: int) -> dict:
                 "lr": args.lr, "betas": list(common.ADAM_BETAS), "eps": 1e-8,
                 "weight_decay": args.weight_decay, "torch_adam": True}},
             "zero_optimization": zero,
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+            "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            # DeepSpeed's mixed precision: bf16 model, fp32 master copy in its optimizer
+            **({"bf16": {"enabled": True}} if args.bf16 else {})}
 
 
 def train(args, callbacks=None) -> dict:
@@ -101,6 +103,8 @@ def train(args, callbacks=None) -> dict:
     work = common.Workload(args, 1)
     full = TorchGPT(work.cfg)
     full.load_state_dict(work.weights)
+    if args.bf16:  # (DeepSpeed's engine casts the model itself too)
+        full = full.to(torch.bfloat16)
     m = args.global_batch_size // (args.micro_batch_size * dp)
     if pp > 1:
         from deepspeed.runtime.pipe.topology import PipeDataParallelTopology

@@ -114,6 +114,16 @@ CONFIGS = {
                           True),
     "deepspeed-pp-mapp": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, mapp "
                           "backend", PP2 + ["--zero-stage", "1", MAPP], True),
+    "deepspeed-pp-mapp-bf16": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, "
+                               "bf16, mapp backend", PP2 + ["--zero-stage", "1", "--bf16", MAPP],
+                               False),
+    # Each at its best, the micro-batch size too (global batch 16 either way).
+    "deepspeed-pp-mapp-mb2": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, "
+                              "micro-batch 2, mapp backend",
+                              PP2 + ["--zero-stage", "1", "--micro-batch-size", "2", MAPP], True),
+    "deepspeed-pp-mapp-mb1": ("deepspeed", "DeepSpeed: PipelineModule PP2 x DP2 (1F1B), ZeRO-1, "
+                              "micro-batch 1, mapp backend",
+                              PP2 + ["--zero-stage", "1", "--micro-batch-size", "1", MAPP], True),
     "deepspeed-zero1-mapp": ("deepspeed", "DeepSpeed: ZeRO-1 x4, mapp backend",
                              ["--zero-stage", "1", MAPP], True),
     # Pure data parallelism: no pipeline bubble, the gradient reduction overlapped
@@ -174,6 +184,10 @@ CONFIGS = {
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
         "--pipeline-schedule", "zero-bubble", "--memory-pool"], True),
+    "ours-pp4-mb2": ("ours", "ours: PP4 zero-bubble, micro-batch 2, pool", PP4 + [
+        "--pipeline-schedule", "zero-bubble", "--micro-batch-size", "2", "--memory-pool"], True),
+    "ours-pp-dp-mb2": ("ours", "ours: PP2 x DP2 zero-bubble, micro-batch 2, pool", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--micro-batch-size", "2", "--memory-pool"], True),
     # The same without gradient-accumulation fusion (weight gradients through a
     # temporary that autograd adds): that change's effect, measured each run.
     "ours-pp4-no-gaf": ("ours", "ours: PP4 zero-bubble, pool, no gradient-accumulation fusion",
@@ -351,6 +365,22 @@ def _train_one(stack: str, flags: list, out_dir: str, meter) -> list:
     return trainer.train(trainer.build_parser().parse_args(flags), callbacks=meter)["history"]
 
 
+#: options a configuration may set for itself over the shared model flags: the
+#: micro-batch size is a schedule choice (the global batch, hence the update, stays)
+OVERRIDABLE = ("--micro-batch-size",)
+
+
+def with_model(flags: list, rest: list) -> list:
+    """A configuration's flags, then the shared ones (``rest``) less those the
+    configuration overrides (OVERRIDABLE)."""
+    rest = list(rest)
+    for opt in OVERRIDABLE:
+        if opt in flags and opt in rest:
+            i = rest.index(opt)
+            del rest[i:i + 2]
+    return flags + rest
+
+
 def backend_of(flags) -> str:
     return next((f[len(BACKEND_FLAG):] for f in flags if f.startswith(BACKEND_FLAG)), "gloo")
 
@@ -509,9 +539,9 @@ def trace_phases(topology, key, a, port) -> dict:
 
     trace_dir = tempfile.mkdtemp(prefix="mapp_peers_trace_")
     stack, label, flags, _ = CONFIGS[key]
-    launch(topology, stack, [(stack, flags + a.model + a.run_flags + [
+    launch(topology, stack, [(stack, with_model(flags, a.model + a.run_flags + [
         "--train-iters", str(a.phase_iters), "--eval-interval", "0", "--trace",
-        "--trace-dir", trace_dir])], a, port, f"{label} (traced)")
+        "--trace-dir", trace_dir]))], a, port, f"{label} (traced)")
     rows = breakdown_dir(trace_dir, skip=2)
     return {str(r): row for r, row in rows.items()}
 
@@ -524,8 +554,8 @@ def profile_phases(topology, key, a, port) -> dict:
 
     spy_dir = tempfile.mkdtemp(prefix="mapp_peers_spy_")
     stack, label, flags, _ = CONFIGS[key]
-    ranks = launch(topology, stack, [(stack, flags + a.model + a.run_flags + [
-        "--train-iters", str(a.profile_iters), "--eval-interval", "0"])], a, port,
+    ranks = launch(topology, stack, [(stack, with_model(flags, a.model + a.run_flags + [
+        "--train-iters", str(a.profile_iters), "--eval-interval", "0"]))], a, port,
         f"{label} (profiled)", profile_dir=spy_dir)
     hist = ranks[0]["runs"][0]["history"]
     step_ms = 1e3 * statistics.fmean(h["seconds"] for h in hist)
@@ -734,7 +764,8 @@ def smoke(names, a) -> int:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-        ranks = launch("here", stack, [(stack, CONFIGS[k][2] + common) for k in keys], a, port,
+        ranks = launch("here", stack, [(stack, with_model(CONFIGS[k][2], common)) for k in keys],
+                       a, port,
                        f"smoke {stack}")
         port += 1
         for i, k in enumerate(keys):
@@ -763,7 +794,7 @@ def run_repeats(topology, names, common, a, port):
         for name in names:
             stack, label, flags, _ = CONFIGS[name]
             t0 = time.time()
-            ranks = launch(topology, stack, [(stack, flags + common)], a, port, label)
+            ranks = launch(topology, stack, [(stack, with_model(flags, common))], a, port, label)
             port += 1
             r = summarize(label, name, ranks, 0, a)
             runs[name].append(r)
