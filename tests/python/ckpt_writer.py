@@ -32,6 +32,8 @@ def main(directory: str, port: str) -> None:
         opt.zero_grad()
         checkpoint.save(directory, it, [model], opt, config={"hidden_size": 256},
                         parallel_state=state)
+        if it == 1:  # committed: a reader may now kill this process at any point
+            print("saved", flush=True)
 
 
 if __name__ == "__main__":
