@@ -180,6 +180,8 @@ CONFIGS = {
         "--grad-compression-start-iter", "2", "--memory-pool"], False),
     "ours-pp4-bf16": ("ours", "ours: PP4 zero-bubble, bf16, pool", PP4 + [
         "--pipeline-schedule", "zero-bubble", "--bf16", "--memory-pool"], False),
+    "ours-pp-dp-bf16": ("ours", "ours: PP2 x DP2 zero-bubble, bf16, pool", PP2 + [
+        "--pipeline-schedule", "zero-bubble", "--bf16", "--memory-pool"], False),
     "ours-pp4-1f1b": ("ours", "ours: PP4 1F1B, pool", PP4 + [
         "--pipeline-schedule", "1f1b", "--memory-pool"], True),
     "ours-pp4": ("ours", "ours: PP4 zero-bubble, pool", PP4 + [
