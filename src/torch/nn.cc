@@ -310,12 +310,22 @@ bool is_deferred(const at::Tensor& param) {
          store->deferred_.end();
 }
 
+namespace {
+// A user's hook on the gradient (register_hook: it may change it) or after its
+// accumulation (register_post_accumulate_grad_hook: it reads it) needs
+// AccumulateGrad to run with the gradient: no in-place accumulation then.
+bool has_grad_hooks(const at::Tensor& weight) {
+  namespace impl = torch::autograd::impl;
+  if (!impl::hooks(weight).empty() || impl::post_acc_grad_hooks(weight)) return true;
+  const auto acc = impl::try_get_grad_accumulator(weight);
+  return acc && (!acc->tensor_pre_hooks().empty() || !acc->pre_hooks().empty());
+}
+}  // namespace
+
 at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& dy, const at::Tensor& x,
                               bool may_fuse) {
   const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)}), x2 = x.reshape({-1, x.size(-1)});
-  // (A Python post-accumulate hook wants AccumulateGrad to run with the gradient.)
-  if (may_fuse && param_attrs(weight).accumulate_wgrad_in_place &&
-      !torch::autograd::impl::post_acc_grad_hooks(weight)) {
+  if (may_fuse && param_attrs(weight).accumulate_wgrad_in_place && !has_grad_hooks(weight)) {
     const at::Tensor& grad = weight.grad();
     if (grad.defined() && grad.scalar_type() == dy2.scalar_type() &&
         grad.scalar_type() == x2.scalar_type() && grad.device() == dy2.device() &&

@@ -292,8 +292,11 @@ def _fused_accumulation(rank, world, fused, defer, hooked):
 
     model = DeferrableNet()
     seen = []
-    if hooked:  # a user's post-accumulate hook: that weight goes through AccumulateGrad
+    # users' hooks: those weights go through AccumulateGrad
+    if hooked == "post-accumulate":  # reads w2's gradient
         model.w2.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    elif hooked == "gradient":  # doubles w1's gradient
+        model.w1.register_hook(lambda g: g * 2)
     ddp = mapp.distributed.DistributedDataParallel(
         model, process_group=dist.group.WORLD, bucket_size_mb=0.0005,
         gradient_accumulation_fusion=fused)
@@ -325,6 +328,8 @@ def _fused_accumulation(rank, world, fused, defer, hooked):
     for x in xs:
         F = torch.nn.functional
         F.linear(torch.tanh(F.linear(x.double(), ref.w1, ref.b1)), ref.w2).pow(2).sum().backward()
+    if hooked == "gradient":
+        ref.w1.grad *= 2
     errs = [float((p.grad.double() - q.grad / world).abs().max() / q.grad.abs().max())
             for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     return errs, in_gemm, seen
@@ -338,15 +343,18 @@ def test_gradient_accumulation_fusion_adds_weight_gradients_in_the_gemm(fused, d
     also when zero-bubble's W pass computes it later; the averaged gradients
     equal a float64 reference, and the bucket is reduced (readiness hooks run
     without AccumulateGrad's add)."""
-    for errs, in_gemm, _ in run_ranks(_fused_accumulation, 2, fused, defer, False):
+    for errs, in_gemm, _ in run_ranks(_fused_accumulation, 2, fused, defer, None):
         assert max(errs) < 1e-5, errs
         # 2 weights x 3 microbatches x 2 steps
         assert in_gemm == (12 if fused else 0), in_gemm
 
 
-def test_gradient_accumulation_fusion_leaves_hooked_weights_to_autograd():
-    """A weight with a user's post-accumulate hook keeps AccumulateGrad (the
-    hook sees its gradient); the other weight is still fused."""
-    for errs, in_gemm, seen in run_ranks(_fused_accumulation, 2, True, False, True):
+@pytest.mark.parametrize("hook", ["post-accumulate", "gradient"])
+def test_gradient_accumulation_fusion_leaves_hooked_weights_to_autograd(hook):
+    """A weight with a user's hook keeps AccumulateGrad: a post-accumulate hook
+    sees its gradient, a gradient hook changes it (doubles it here); the other
+    weight is still added in the GEMM."""
+    for errs, in_gemm, seen in run_ranks(_fused_accumulation, 2, True, False, hook):
         assert max(errs) < 1e-5, errs
-        assert in_gemm == 6 and seen == [True] * 6, (in_gemm, seen)
+        assert in_gemm == 6, in_gemm
+        assert seen == ([True] * 6 if hook == "post-accumulate" else []), seen

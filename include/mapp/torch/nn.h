@@ -119,7 +119,8 @@ class DeferringGuard {
 WeightGradStore* set_active_weight_grad_store(WeightGradStore* store);
 
 // Inside a deferring backward: stores `wgrad` (returns `param`'s gradient, or
-// an undefined tensor once it added it into `param`'s .grad) and returns true; outside one returns false (compute the gradient now).
+// an undefined tensor once it added it into `param`'s .grad) and returns
+// true; outside one returns false (compute the gradient now).
 bool defer(const at::Tensor& param, std::function<at::Tensor()> wgrad);
 // Whether `param`'s gradient was put aside by the active deferring backward
 // (autograd may still run its post-accumulate hooks, without a gradient).
@@ -129,7 +130,7 @@ void run_weight_grads(WeightGradStore& store);
 // The weight gradient dy^T x of y = x W^T over every leading dim. When
 // `may_fuse` (not a double backward) and `weight` allows it
 // (ParamAttrs::accumulate_wgrad_in_place, a defined .grad of the same dtype
-// and shape, no Python post-accumulate hook) it is added into weight.grad() by
+// and shape, no user hook on its gradient) it is added into weight.grad() by
 // one GEMM with beta = 1 and an undefined tensor is returned.
 at::Tensor linear_weight_grad(const at::Tensor& weight, const at::Tensor& dy, const at::Tensor& x,
                               bool may_fuse = true);
