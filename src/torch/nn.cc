@@ -312,7 +312,7 @@ bool is_deferred(const at::Tensor& param) {
 
 namespace {
 // A user's hook on the gradient (register_hook: it may change it) or after its
-// accumulation (register_post_accumulate_grad_hook: it reads it) needs
+// accumulation (a post-accumulate hook: it reads it) needs
 // AccumulateGrad to run with the gradient: no in-place accumulation then.
 bool has_grad_hooks(const at::Tensor& weight) {
   namespace impl = torch::autograd::impl;
