@@ -26,7 +26,10 @@ def test_every_stack_trains_the_same_function():
     # TP2 x PP2): each c10d backend is a launch of its own per stack (15-35 s of
     # start-up), the backend flag's path in the harness is the same for every
     # stack, and ours on the mapp backend is test_mapp_backend.py's subject
-    # (make bench-fair and make bench-peers run every -mapp configuration).
+    # (make bench-fair and make bench-peers run every -mapp configuration). The
+    # DeepSpeed variants -mapp-bf16 / -mapp-mb2 / -mapp-mb1 run too (one more launch):
+    # its bf16 mode and a micro-batch a configuration sets for itself are paths of
+    # their own through the harness.
     # DeepSpeed's ZeRO-2 is ZeRO-1's path in the harness with another stage
     # number (~12 s here; the benchmarks run it).
     # Ours: one configuration per path through the harness and per layout family
