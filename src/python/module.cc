@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>  // c10::intrusive_ptr as a holder (c10d types)
 
+#include <string_view>
+
 #include "mapp/common/check.h"
 #include "mapp/common/log.h"
 #include "mapp/common/tunables.h"
@@ -243,27 +245,34 @@ std::shared_ptr<py::object> gil_held(py::object f) {
   });
 }
 
-// A callable's result as a tensor; None -> an undefined tensor.
-at::Tensor tensor_or_undefined(const py::object& r) {
+// What a pipeline chunk's callables return (the error for anything else).
+constexpr const char* kChunkResult =
+    "forward_backward: a model chunk returned {} where a tensor was expected (the output sent "
+    "to the next stage, or the loss on the last)";
+
+// A callable's result as a tensor; None -> an undefined tensor. `what`: the
+// error, with {} for the type returned instead.
+at::Tensor tensor_or_undefined(const py::object& r, std::string_view what) {
   if (r.is_none()) return {};
-  MAPP_CHECK(THPVariable_Check(r.ptr()), "forward_backward: a model chunk returned ",
-             std::string(py::str(py::type::of(r).attr("__name__"))),
-             " where a tensor was expected (the output sent to the next stage, or the loss on "
-             "the last)");
+  if (!THPVariable_Check(r.ptr())) {
+    const std::string type = py::str(py::type::of(r).attr("__name__"));
+    const std::size_t at = what.find("{}");
+    MAPP_CHECK(false, what.substr(0, at), type, what.substr(at + 2));
+  }
   return r.cast<at::Tensor>();
 }
 
 // A Python callable as a C++ one (none for None): called with the GIL, kept
 // and dropped safely without it; a tensor result may be None (undefined).
 template <typename R, typename... A>
-std::function<R(A...)> from_python(py::object f) {
+std::function<R(A...)> from_python(py::object f, std::string_view what = kChunkResult) {
   static_assert(std::is_void_v<R> || std::is_same_v<R, at::Tensor>, "a tensor or nothing");
   if (f.is_none()) return {};
   auto held = gil_held(std::move(f));
-  return [held](A... args) -> R {
+  return [held, what](A... args) -> R {
     py::gil_scoped_acquire gil;
     py::object r = (*held)(args...);
-    if constexpr (std::is_same_v<R, at::Tensor>) return tensor_or_undefined(r);
+    if constexpr (std::is_same_v<R, at::Tensor>) return tensor_or_undefined(r, what);
   };
 }
 
@@ -448,7 +457,7 @@ void register_pipeline(py::module_& parent) {
   m.def("injected_slowdown", [] {
     const auto s = mapp::faults::injected_slowdown();
     if (!s) return py::object(py::none());
-    py::object rank = s->ranks.size() == 1 ? py::object(py::int_(s->rank))
+    py::object rank = s->ranks.size() == 1 ? py::object(py::int_(s->ranks.front()))
                                            : py::object(py::tuple(py::cast(s->ranks)));
     const char* phase = s->forward && s->backward ? "all" : s->forward ? "forward" : "backward";
     return py::object(py::dict(py::arg("rank") = rank, py::arg("factor") = s->factor,
@@ -712,14 +721,12 @@ void register_weight_grads(py::module_& m) {
   m.def("set_active_weight_grad_store",
         [](nn::WeightGradStore* store) { nn::set_active_weight_grad_store(store); },
         py::arg("store").none(true));
+  // The closure may be called, and is destroyed, on a thread without the GIL;
+  // it returns None once it added the gradient into .grad in place.
   m.def("defer_weight_grad", [](const at::Tensor& param, py::function wgrad) {
-    // The closure may be called, and is destroyed, on a thread without the GIL.
-    auto fn = gil_held(std::move(wgrad));
-    return nn::defer(param, [fn] {
-      py::gil_scoped_acquire gil;
-      const py::object g = (*fn)();  // None: added into .grad in place
-      return g.is_none() ? at::Tensor() : g.cast<at::Tensor>();
-    });
+    return nn::defer(param, from_python<at::Tensor>(
+                                std::move(wgrad), "a deferred weight gradient's closure returned "
+                                                  "{} where a tensor or None was expected"));
   }, py::arg("param"), py::arg("wgrad"));
   // dy^T x, or None once added into weight.grad by the GEMM (gradient-
   // accumulation fusion): the custom linears' weight gradient, as linear()'s.

@@ -94,7 +94,6 @@ std::optional<Slowdown> injected_slowdown() {
     s.ranks.push_back(number<int>(kVar, "rank", ranks.substr(at, plus - at)));
     at = plus + 1;
   }
-  s.rank = s.ranks.front();
   s.factor = number<double>(kVar, "factor", kv.at("factor"));
   if (kv.count("start")) s.start = number<int>(kVar, "start", kv.at("start"));
   const std::string phase = kv.count("phase") ? kv.at("phase") : "all";

@@ -22,7 +22,6 @@
 namespace mapp::faults {
 
 struct Slowdown {
-  int rank = -1;           // the first of `ranks`
   std::vector<int> ranks;  // `rank=1` or `rank=0+2` (e.g. the forward ranks of MegaFBD)
   double factor = 1.0;
   bool forward = false, backward = false;
